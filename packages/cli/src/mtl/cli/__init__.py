@@ -1,0 +1,3 @@
+"""the mtl command line"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,332 @@
+"""The run configuration: one dataclass per section, every derived value computed in ``resolve``.
+
+Fields whose default is ``None`` and whose comment says *derived* are filled by
+``RunConfig.resolve``; modules receive the resolved config and never re-derive anything.
+This is the single place where, e.g., the gated-MLP width or the padded vocabulary is decided.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from mtl.core.errors import ConfigError
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.normalization": ("layernorm", "rmsnorm"),
+    "model.activation": ("gelu", "swiglu"),
+    "model.position_embedding": ("learned", "rope"),
+    "train.lr_schedule": ("constant", "linear", "cosine", "wsd"),
+    "train.precision": ("fp32", "bf16", "fp16"),
+    "train.recompute": ("none", "selective", "full"),
+}
+
+
+@dataclass
+class ModelConfig:
+    family: str = "gpt"
+    backend: str = "local"
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None  # derived: = num_attention_heads (plain multi-head)
+    head_dim: int | None = None  # derived: hidden_size // num_attention_heads
+    ffn_hidden_size: int | None = None  # derived: 4h, or Megatron's 2/3 of it for swiglu
+    vocab_size: int | None = None  # derived: the tokenizer's vocabulary
+    padded_vocab_size: int | None = None  # derived: vocab_size padded for TP and kernels
+    make_vocab_size_divisible_by: int = 128
+    tie_embeddings: bool = True
+    qk_norm: bool = False
+    rope_theta: float = 10000.0
+    seq_length: int = 64
+    max_position_embeddings: int | None = None  # derived: seq_length
+    normalization: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    activation: str = "swiglu"
+    position_embedding: str = "rope"
+    bias: bool = False
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    init_std: float = 0.02
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = True
+    bucket_size_mb: float = 40.0
+    # Layers on the first / last pipeline stage; the rest are split evenly.
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    world_size: int | None = None  # derived: from torch.distributed at resolve time
+    dp: int | None = None  # derived: world_size // (tp * pp * cp)
+
+
+@dataclass
+class DataConfig:
+    paths: list = field(default_factory=list)
+    split: str = "98,1,1"
+    tokenizer: str = "byte"
+    tokenizer_model: str | None = None
+    dataset: str = "gpt"  # gpt | mock (a registry name)
+    cache_dir: str | None = None  # index cache; default: beside the first data prefix
+    num_workers: int = 0
+    mock_num_samples: int = 4096
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    iters: int = 40
+    exit_interval: int = 0
+    lr: float = 3e-3
+    min_lr: float = 0.0
+    warmup_iters: int = 0
+    lr_schedule: str = "cosine"
+    lr_decay_iters: int | None = None  # derived: iters
+    wsd_decay_fraction: float = 0.2  # WSD: the last fraction of decay iters anneals to min_lr
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    precision: str = "fp32"
+    seed: int = 1234
+    eval_interval: int = 1000
+    eval_iters: int = 10
+    initial_loss_scale: float = 65536.0
+    loss_scale_window: int = 1000
+    min_loss_scale: float = 1.0
+    recompute: str = "none"
+    compile: bool = False
+    device: str = "auto"  # auto | cpu | cuda
+    num_micro_batches: int | None = None  # derived: global / (micro * dp)
+
+
+@dataclass
+class CkptConfig:
+    save: str | None = None
+    load: str | None = None
+    interval: int = 0
+    async_save: bool = False
+    format: str = "zarr"
+    save_on_exit: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    dir: str = "runs/default"
+    interval: int = 1
+    tensorboard: bool = False
+    callbacks: list = field(default_factory=lambda: ["jsonl"])
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "ckpt": CkptConfig,
+    "logging": LoggingConfig,
+}
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    resolved: bool = False
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    def resolve(self, world_size: int = 1, tokenizer_vocab_size: int | None = None) -> "RunConfig":
+        """A copy with every derived value filled in and every constraint checked."""
+        from mtl.core.config_io import config_from_dict  # noqa: PLC0415 (cyclic by design)
+
+        cfg = config_from_dict(self.to_dict())
+        m, p, t = cfg.model, cfg.parallel, cfg.train
+        for dotted, allowed in CHOICES.items():
+            section, key = dotted.split(".")
+            value = getattr(getattr(cfg, section), key)
+            if value not in allowed:
+                raise ConfigError(f"{dotted} = {value!r} is not one of {', '.join(allowed)}")
+        for section in (m, p, t):
+            for f in dataclasses.fields(section):
+                value = getattr(section, f.name)
+                if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+                    raise ConfigError(f"{_key(section, f.name)} = {value} must not be negative")
+
+        _resolve_parallel(p, world_size, m)
+        _resolve_model(m, p, tokenizer_vocab_size)
+        _resolve_train(t, p)
+        cfg.resolved = True
+        return cfg
+
+
+def _key(section: Any, name: str) -> str:
+    for sname, cls in SECTIONS.items():
+        if isinstance(section, cls):
+            return f"{sname}.{name}"
+    return name
+
+
+def _resolve_parallel(p: ParallelConfig, world_size: int, m: ModelConfig) -> None:
+    for name in ("tp", "pp", "vpp", "cp", "ep"):
+        if getattr(p, name) < 1:
+            raise ConfigError(f"parallel.{name} = {getattr(p, name)} must be at least 1")
+    model_parallel = p.tp * p.pp * p.cp
+    if world_size % model_parallel:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = "
+            f"{model_parallel}; launch a multiple of {model_parallel} processes"
+        )
+    p.world_size = world_size
+    p.dp = world_size // model_parallel
+    if p.vpp > 1 and p.pp == 1:
+        raise ConfigError(f"parallel.vpp = {p.vpp} needs parallel.pp > 1")
+    if p.ep > 1 and p.dp % p.ep:
+        raise ConfigError(f"parallel.ep = {p.ep} must divide the data-parallel size {p.dp}")
+    if p.sequence_parallel and p.tp == 1:
+        p.sequence_parallel = False  # nothing to shard: sequence parallelism rides on TP
+    if p.cp > 1 and m.seq_length % (2 * p.cp):
+        raise ConfigError(
+            f"model.seq_length = {m.seq_length} must be divisible by 2*cp = {2 * p.cp} "
+            "(context parallelism splits the sequence into 2*cp load-balanced chunks)"
+        )
+    if p.sequence_parallel and m.seq_length % (p.tp * p.cp):
+        raise ConfigError(
+            f"model.seq_length = {m.seq_length} must be divisible by tp*cp = {p.tp * p.cp} "
+            "for sequence parallelism"
+        )
+    stage_layers = pipeline_layer_split(m.num_layers, p)  # raises on a bad split
+    del stage_layers
+
+
+def pipeline_layer_split(num_layers: int, p: ParallelConfig) -> list[int]:
+    """Layers per virtual stage, in model order: ``pp * vpp`` entries summing to num_layers.
+
+    The first and last stages may be given explicit sizes; the rest are split evenly."""
+    stages = p.pp * p.vpp
+    first, last = p.first_stage_layers, p.last_stage_layers
+    if first is None and last is None:
+        if num_layers % stages:
+            raise ConfigError(
+                f"model.num_layers = {num_layers} is not divisible by pp*vpp = {p.pp}*{p.vpp} = "
+                f"{stages}; change num_layers or set parallel.first_stage_layers/last_stage_layers"
+            )
+        return [num_layers // stages] * stages
+    if p.vpp > 1:
+        raise ConfigError("parallel.first_stage_layers/last_stage_layers need parallel.vpp = 1")
+    if stages == 1:
+        raise ConfigError("parallel.first_stage_layers/last_stage_layers need parallel.pp > 1")
+    first = first if first is not None else None
+    last = last if last is not None else None
+    fixed = (first or 0) + (last or 0)
+    free_stages = stages - (first is not None) - (last is not None)
+    rest = num_layers - fixed
+    if rest < 0 or (free_stages and rest % free_stages) or (not free_stages and rest):
+        raise ConfigError(
+            f"model.num_layers = {num_layers} minus first/last stage layers ({fixed}) does not "
+            f"split evenly over the remaining {free_stages} pipeline stages"
+        )
+    even = rest // free_stages if free_stages else 0
+    split = [even] * stages
+    if first is not None:
+        split[0] = first
+    if last is not None:
+        split[-1] = last
+    return split
+
+
+def _resolve_model(m: ModelConfig, p: ParallelConfig, tokenizer_vocab_size: int | None) -> None:
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        if getattr(m, name) < 1:
+            raise ConfigError(f"model.{name} = {getattr(m, name)} must be at least 1")
+    if m.num_query_groups is None:
+        m.num_query_groups = m.num_attention_heads
+    if m.num_attention_heads % m.num_query_groups:
+        raise ConfigError(
+            f"model.num_attention_heads = {m.num_attention_heads} is not divisible by "
+            f"model.num_query_groups = {m.num_query_groups}"
+        )
+    if m.head_dim is None:
+        if m.hidden_size % m.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size = {m.hidden_size} is not divisible by "
+                f"model.num_attention_heads = {m.num_attention_heads}; set model.head_dim"
+            )
+        m.head_dim = m.hidden_size // m.num_attention_heads
+    if m.num_attention_heads % p.tp or m.num_query_groups % p.tp:
+        raise ConfigError(
+            f"parallel.tp = {p.tp} must divide model.num_attention_heads = "
+            f"{m.num_attention_heads} and model.num_query_groups = {m.num_query_groups}"
+        )
+    if m.ffn_hidden_size is None:
+        # A gated MLP has three matrices instead of two; Megatron keeps the parameter count
+        # of a 4h MLP by taking 2/3 of it, rounded down to a multiple of 64.
+        if m.activation == "swiglu":
+            m.ffn_hidden_size = int(4 * m.hidden_size * 2 / 3 / 64) * 64 or 64
+        else:
+            m.ffn_hidden_size = 4 * m.hidden_size
+    if m.ffn_hidden_size % p.tp:
+        raise ConfigError(
+            f"model.ffn_hidden_size = {m.ffn_hidden_size} is not divisible by parallel.tp = {p.tp}"
+        )
+    if m.max_position_embeddings is None:
+        m.max_position_embeddings = m.seq_length
+    if m.seq_length > m.max_position_embeddings and m.position_embedding == "learned":
+        raise ConfigError(
+            f"model.seq_length = {m.seq_length} exceeds model.max_position_embeddings = "
+            f"{m.max_position_embeddings} (learned positions cannot extrapolate)"
+        )
+    if m.vocab_size is None:
+        if tokenizer_vocab_size is None:
+            raise ConfigError("model.vocab_size is not set and no tokenizer gave one")
+        m.vocab_size = tokenizer_vocab_size
+    elif tokenizer_vocab_size is not None and m.vocab_size < tokenizer_vocab_size:
+        raise ConfigError(
+            f"model.vocab_size = {m.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer_vocab_size}); remove the key or raise it"
+        )
+    # Pad so every TP rank holds an equal, kernel-friendly slice of the vocabulary.
+    multiple = m.make_vocab_size_divisible_by * p.tp
+    m.padded_vocab_size = int(math.ceil(m.vocab_size / multiple) * multiple)
+
+
+def _resolve_train(t: TrainConfig, p: ParallelConfig) -> None:
+    if t.micro_batch_size < 1 or t.global_batch_size < 1:
+        raise ConfigError("train.micro_batch_size and train.global_batch_size must be at least 1")
+    per_step = t.micro_batch_size * p.dp
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size = {t.global_batch_size} is not divisible by "
+            f"micro_batch_size * dp = {t.micro_batch_size} * {p.dp} = {per_step}"
+        )
+    t.num_micro_batches = t.global_batch_size // per_step
+    if p.vpp > 1 and t.num_micro_batches % p.pp:
+        raise ConfigError(
+            f"the interleaved pipeline schedule needs micro-batches per step "
+            f"({t.num_micro_batches}) divisible by parallel.pp = {p.pp}"
+        )
+    if t.lr_decay_iters is None:
+        t.lr_decay_iters = t.iters
+    if t.warmup_iters > t.lr_decay_iters:
+        raise ConfigError(
+            f"train.warmup_iters = {t.warmup_iters} exceeds train.lr_decay_iters = {t.lr_decay_iters}"
+        )
+    if not 0.0 <= t.wsd_decay_fraction <= 1.0:
+        raise ConfigError(f"train.wsd_decay_fraction = {t.wsd_decay_fraction} must be in [0, 1]")

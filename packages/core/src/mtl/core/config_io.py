@@ -1,0 +1,143 @@
+"""Reading a RunConfig from TOML and ``--set section.key=value`` overrides, and diffing two."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Iterable
+
+from mtl.core.config import SECTIONS, RunConfig
+from mtl.core.errors import ConfigError
+
+
+def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunConfig:
+    """Read ``path`` (TOML) if given, apply dotted overrides, and return an unresolved config."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
+    for item in overrides:
+        apply_override(data, item)
+    return config_from_dict(data, source=str(path) if path else "overrides")
+
+
+def parse_override_value(text: str) -> Any:
+    """A TOML value (``3``, ``1e-3``, ``true``, ``[1, 2]``, ``"s"``), else the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    dotted, value = item.split("=", 1)
+    parts = dotted.strip().split(".")
+    if len(parts) != 2:
+        raise ConfigError(f"override key {dotted!r} must be section.key (e.g. model.num_layers)")
+    section, key = parts
+    data.setdefault(section, {})[key] = parse_override_value(value.strip())
+
+
+def _suggest(name: str, options: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _coerce(dotted: str, value: Any, annotation: Any) -> Any:
+    """Check a TOML value against a field's annotation; ints are accepted for floats."""
+    hint = annotation
+    if isinstance(hint, str):
+        hint = eval(hint, {"list": list, "dict": dict})  # annotations are plain builtins
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None and type(None) in options:
+        return None
+    for option in options:
+        if option is type(None):
+            continue
+        origin = typing.get_origin(option) or option
+        if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if origin is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if origin is bool and isinstance(value, bool):
+            return value
+        if origin in (str, list, dict) and isinstance(value, origin):
+            return value
+    wanted = " or ".join(getattr(o, "__name__", str(o)) for o in options if o is not type(None))
+    raise ConfigError(f"{dotted} = {value!r} should be {wanted}")
+
+
+def config_from_dict(data: dict[str, Any], source: str = "config") -> RunConfig:
+    """Build a RunConfig, rejecting unknown sections and keys with a suggestion."""
+    sections: dict[str, Any] = {}
+    for name, values in data.items():
+        if name == "resolved":
+            continue
+        if name not in SECTIONS:
+            raise ConfigError(
+                f"{source}: unknown section [{name}]{_suggest(name, SECTIONS)}; "
+                f"sections are {', '.join(SECTIONS)}"
+            )
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: [{name}] must be a table of keys")
+        cls = SECTIONS[name]
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for key, value in values.items():
+            if key not in fields:
+                raise ConfigError(
+                    f"{source}: unknown key {name}.{key}{_suggest(key, fields)}"
+                )
+            kwargs[key] = _coerce(f"{name}.{key}", value, fields[key].type)
+        sections[name] = cls(**kwargs)
+    return RunConfig(**sections)
+
+
+def config_diff(a: RunConfig, b: RunConfig, ignore: Iterable[str] = ()) -> list[str]:
+    """Every ``section.key`` whose value differs, as ``key: a -> b`` lines."""
+    skip = set(ignore)
+    da, db = a.to_dict(), b.to_dict()
+    lines = []
+    for section in SECTIONS:
+        for key in da[section]:
+            dotted = f"{section}.{key}"
+            if dotted in skip or section in skip:
+                continue
+            if da[section][key] != db[section][key]:
+                lines.append(f"{dotted}: {da[section][key]!r} -> {db[section][key]!r}")
+    return lines
+
+
+def format_config(cfg: RunConfig) -> str:
+    """The config as TOML text (None values shown as comments, since TOML has no null)."""
+    out = []
+    for section, values in cfg.to_dict().items():
+        out.append(f"[{section}]")
+        for key, value in values.items():
+            if value is None:
+                out.append(f"# {key} = (unset)")
+            else:
+                out.append(f"{key} = {_toml_value(value)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)

@@ -1,0 +1,64 @@
+"""Every mtl hook, declared once. The docstring of each hook is its contract.
+
+All hooks are called with no arguments, once, when a registry is first asked for; each
+implementation returns a list of records (see ``mtl.core.registrations``), and the registry
+gathers all results. Names must be unique within a kind across all installed
+distributions: a duplicate is an error naming both distributions.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+from mtl.core.registrations import (
+    Backend,
+    CheckpointFormat,
+    CliCommand,
+    DatasetSpec,
+    ModelFamily,
+    TokenizerSpec,
+    TrainCallback,
+)
+
+PROJECT = "mtl"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def mtl_backends() -> list[Backend]:
+    """Return the layer backends this plugin provides (``local``, ``te``, ``fp8``, ...).
+
+    A backend builds the leaves of a layer (linears, norm, core attention); the model family
+    owns the tree. Selected by ``model.backend``."""
+
+
+@hookspec
+def mtl_model_families() -> list[ModelFamily]:
+    """Return the model families this plugin provides (``gpt``, ...). Selected by
+    ``model.family``; its converters serve ``mtl convert``."""
+
+
+@hookspec
+def mtl_tokenizers() -> list[TokenizerSpec]:
+    """Return the tokenizers this plugin provides. Selected by ``data.tokenizer``."""
+
+
+@hookspec
+def mtl_datasets() -> list[DatasetSpec]:
+    """Return the datasets this plugin provides (``gpt``, ``mock``). Selected by ``data.dataset``."""
+
+
+@hookspec
+def mtl_checkpoint_formats() -> list[CheckpointFormat]:
+    """Return checkpoint storage formats. Selected by ``ckpt.format``."""
+
+
+@hookspec
+def mtl_train_callbacks() -> list[TrainCallback]:
+    """Return training callbacks (metric sinks). Enabled by name in ``logging.callbacks``."""
+
+
+@hookspec
+def mtl_cli_commands() -> list[CliCommand]:
+    """Return click commands to add to the ``mtl`` command group."""

@@ -1,0 +1,147 @@
+"""The plugin manager and the registries built from its hooks.
+
+``plugin_manager()`` loads the ``mtl`` entry-point group once. Tests and applications may
+``register_plugin(obj)`` in-process; doing so resets the registries so the next lookup sees it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+from mtl.core import hookspecs
+from mtl.core.errors import NotInstalledError, PluginError
+
+# Which distribution provides the names users are most likely to ask for, so that a missing
+# one is answered with the command that installs it.
+KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
+    "backend": {"local": "mtl-parallel", "te": "mtl-te", "fp8": "mtl-quant"},
+    "model family": {"gpt": "mtl-models"},
+    "tokenizer": {n: "mtl-data" for n in ("byte", "hf", "gpt2-bpe", "sentencepiece", "tiktoken")},
+    "dataset": {"gpt": "mtl-data", "mock": "mtl-data"},
+    "checkpoint format": {"zarr": "mtl-ckpt"},
+    "train callback": {"jsonl": "mtl-train", "tensorboard": "mtl-train"},
+    "cli command": {},
+}
+
+# kind -> the hook that fills it
+KIND_HOOKS: dict[str, str] = {
+    "backend": "mtl_backends",
+    "model family": "mtl_model_families",
+    "tokenizer": "mtl_tokenizers",
+    "dataset": "mtl_datasets",
+    "checkpoint format": "mtl_checkpoint_formats",
+    "train callback": "mtl_train_callbacks",
+    "cli command": "mtl_cli_commands",
+}
+
+_manager: pluggy.PluginManager | None = None
+_registries: dict[str, "Registry"] = {}
+
+
+def plugin_manager() -> pluggy.PluginManager:
+    """The process-wide plugin manager, with the ``mtl`` entry points loaded on first use."""
+    global _manager
+    if _manager is None:
+        pm = pluggy.PluginManager(hookspecs.PROJECT)
+        pm.add_hookspecs(hookspecs)
+        try:
+            pm.load_setuptools_entrypoints(hookspecs.PROJECT)
+        except Exception as exc:  # a broken third-party plugin must say which one it is
+            raise PluginError(f"loading the 'mtl' entry points failed: {exc!r}") from exc
+        _manager = pm
+    return _manager
+
+
+def register_plugin(plugin: Any, name: str | None = None) -> None:
+    """Register an in-process plugin (a module or object with ``@hookimpl`` functions)."""
+    plugin_manager().register(plugin, name=name)
+    _registries.clear()
+
+
+def unregister_plugin(plugin: Any) -> None:
+    plugin_manager().unregister(plugin)
+    _registries.clear()
+
+
+def plugin_distribution(plugin: Any) -> str:
+    """The distribution a plugin was loaded from, or its module name for in-process ones."""
+    for plug, dist in plugin_manager().list_plugin_distinfo():
+        if plug is plugin:
+            return dist.metadata["name"]
+    return getattr(plugin, "__name__", type(plugin).__name__)
+
+
+@dataclass(frozen=True)
+class Entry:
+    value: Any
+    distribution: str
+
+
+class Registry:
+    """Records of one kind, by name, each with the distribution that registered it."""
+
+    def __init__(self, kind: str, entries: dict[str, Entry]):
+        self.kind = kind
+        self._entries = entries
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def entries(self) -> dict[str, Entry]:
+        return dict(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def get(self, name: str) -> Any:
+        if name not in self._entries:
+            have = ", ".join(self.names()) or "none"
+            message = f"{self.kind} '{name}' is not installed (installed: {have})"
+            provider = KNOWN_PROVIDERS.get(self.kind, {}).get(name)
+            if provider:
+                message += f": pip install {provider}"
+            raise NotInstalledError(message)
+        return self._entries[name].value
+
+
+def registry(kind: str) -> Registry:
+    """Gather every plugin's records of ``kind``, refusing duplicate names."""
+    if kind not in KIND_HOOKS:
+        raise PluginError(f"unknown registry kind '{kind}' (known: {', '.join(KIND_HOOKS)})")
+    if kind in _registries:
+        return _registries[kind]
+    pm = plugin_manager()
+    hook_name = KIND_HOOKS[kind]
+    entries: dict[str, Entry] = {}
+    for impl in getattr(pm.hook, hook_name).get_hookimpls():
+        dist = plugin_distribution(impl.plugin)
+        for record in impl.function() or []:
+            if record.name in entries:
+                other = entries[record.name].distribution
+                raise PluginError(
+                    f"{kind} '{record.name}' is registered twice: by {other} and by {dist}; "
+                    f"uninstall one of them or rename the {kind}"
+                )
+            entries[record.name] = Entry(record, dist)
+    _registries[kind] = Registry(kind, entries)
+    return _registries[kind]
+
+
+def installed_distributions() -> list[tuple[str, str, dict[str, list[str]]]]:
+    """(distribution, version, {kind: [names]}) for every distribution that registers something."""
+    by_dist: dict[str, dict[str, list[str]]] = {}
+    for kind in KIND_HOOKS:
+        for name, entry in registry(kind).entries().items():
+            by_dist.setdefault(entry.distribution, {}).setdefault(kind, []).append(name)
+    rows = []
+    for dist, kinds in sorted(by_dist.items()):
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            version = "in-process"
+        rows.append((dist, version, {k: sorted(v) for k, v in kinds.items()}))
+    return rows

@@ -1,0 +1,3 @@
+"""GPT family and model specs, HF converters"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,62 @@
+"""Run a function on N CPU processes joined by a gloo process group; used by the test suites.
+
+    results = run_distributed(fn, world_size=2, args=(...))   # fn(*args) on every rank
+
+``fn`` must be importable (module level). Each rank's return value comes back, in rank order;
+an exception on any rank fails the call with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)  # the CI machine has 2 cores for up to 4 ranks
+    result: Any
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = ("ok", fn(*args))
+    except BaseException:  # report any failure to the parent, with the rank that raised it
+        result = ("error", f"rank {rank}:\n{traceback.format_exc()}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def run_distributed(fn: Callable, world_size: int, args: tuple = ()) -> list[Any]:
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(
+            _worker,
+            args=(world_size, free_port(), out_dir, fn, args),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
+        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+    errors = [payload for status, payload in results if status == "error"]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [payload for _, payload in results]

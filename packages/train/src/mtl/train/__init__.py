@@ -1,0 +1,3 @@
+"""the mtl training loop"""
+
+__version__ = "0.1.0"
