@@ -128,6 +128,9 @@ class LoggingConfig:
     interval: int = 1
     tensorboard: bool = False
     callbacks: list = field(default_factory=lambda: ["jsonl"])
+    # Dense bf16 matmul peak of one GPU in TFLOP/s, for MFU (0: MFU not reported).
+    # 778 is what torch measures on the H100 machines (see benchmarks/RESULTS.md).
+    peak_tflops: float = 0.0
 
 
 SECTIONS: dict[str, type] = {

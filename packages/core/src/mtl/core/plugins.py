@@ -40,6 +40,7 @@ KIND_HOOKS: dict[str, str] = {
 
 _manager: pluggy.PluginManager | None = None
 _registries: dict[str, "Registry"] = {}
+_plugin_dists: dict[str, str] = {}  # plugin name -> distribution that provided it
 
 
 def plugin_manager() -> pluggy.PluginManager:
@@ -48,12 +49,26 @@ def plugin_manager() -> pluggy.PluginManager:
     if _manager is None:
         pm = pluggy.PluginManager(hookspecs.PROJECT)
         pm.add_hookspecs(hookspecs)
-        try:
-            pm.load_setuptools_entrypoints(hookspecs.PROJECT)
-        except Exception as exc:  # a broken third-party plugin must say which one it is
-            raise PluginError(f"loading the 'mtl' entry points failed: {exc!r}") from exc
+        _load_entry_points(pm)
         _manager = pm
     return _manager
+
+
+def _load_entry_points(pm: pluggy.PluginManager) -> None:
+    """What pluggy's ``load_setuptools_entrypoints`` does, but a broken plugin is named."""
+    for dist in importlib.metadata.distributions():
+        for ep in dist.entry_points:
+            if ep.group != hookspecs.PROJECT or pm.get_plugin(ep.name) or pm.is_blocked(ep.name):
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:
+                raise PluginError(
+                    f"plugin '{ep.name}' of distribution {dist.metadata['name']} failed to load "
+                    f"({ep.value}): {exc!r}; reinstall or uninstall that distribution"
+                ) from exc
+            pm.register(plugin, name=ep.name)
+            _plugin_dists[ep.name] = dist.metadata["name"]
 
 
 def register_plugin(plugin: Any, name: str | None = None) -> None:
@@ -69,10 +84,10 @@ def unregister_plugin(plugin: Any) -> None:
 
 def plugin_distribution(plugin: Any) -> str:
     """The distribution a plugin was loaded from, or its module name for in-process ones."""
-    for plug, dist in plugin_manager().list_plugin_distinfo():
-        if plug is plugin:
-            return dist.metadata["name"]
-    return getattr(plugin, "__name__", type(plugin).__name__)
+    name = plugin_manager().get_name(plugin)
+    if name in _plugin_dists:
+        return _plugin_dists[name]
+    return name or getattr(plugin, "__name__", type(plugin).__name__)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,97 @@
+import pytest
+
+from mtl.core.config import RunConfig, pipeline_layer_split, ParallelConfig
+from mtl.core.config_io import config_diff, format_config, load_config, parse_override_value
+from mtl.core.errors import ConfigError
+
+
+def write(tmp_path, text):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return path
+
+
+def test_toml_and_overrides(tmp_path):
+    path = write(tmp_path, "[model]\nnum_layers = 2\nhidden_size = 64\n[train]\nlr = 1\n")
+    cfg = load_config(path, ["model.num_layers=4", "data.paths=[[0.7, 'a'], [0.3, 'b']]", "data.tokenizer=hf"])
+    assert cfg.model.num_layers == 4
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert cfg.data.paths == [[0.7, "a"], [0.3, "b"]]
+    assert cfg.data.tokenizer == "hf"  # not valid TOML, falls back to a bare string
+
+
+def test_override_values_parse_as_toml():
+    assert parse_override_value("3") == 3
+    assert parse_override_value("1e-3") == 1e-3
+    assert parse_override_value("true") is True
+    assert parse_override_value("cosine") == "cosine"
+
+
+def test_unknown_key_names_key_and_suggests(tmp_path):
+    path = write(tmp_path, "[model]\nnum_layer = 2\n")
+    with pytest.raises(ConfigError, match=r"model.num_layer.*did you mean 'num_layers'"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"unknown section \[trian\].*'train'"):
+        load_config(None, ["trian.lr=1"])
+
+
+def test_wrong_type_names_key():
+    with pytest.raises(ConfigError, match=r"model.num_layers = 'two' should be int"):
+        load_config(None, ["model.num_layers=two"])
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_derived_values_computed_once():
+    cfg = load_config(None, ["model.hidden_size=2048", "model.num_attention_heads=16",
+                             "model.num_query_groups=4", "parallel.tp=2",
+                             "train.micro_batch_size=2", "train.global_batch_size=16"])
+    r = cfg.resolve(world_size=8, tokenizer_vocab_size=50257)
+    assert r.model.head_dim == 128
+    assert r.model.ffn_hidden_size == 5440  # Megatron: int(4*2048*2/3/64)*64
+    assert r.model.padded_vocab_size == 50432  # multiple of 128*tp
+    assert r.parallel.dp == 4
+    assert r.train.num_micro_batches == 2
+    assert cfg.model.head_dim is None  # resolve returns a copy
+
+
+def test_gelu_ffn_is_4h():
+    r = load_config(None, ["model.activation=gelu"]).resolve(1, 100)
+    assert r.model.ffn_hidden_size == 4 * r.model.hidden_size
+
+
+@pytest.mark.parametrize(
+    "overrides,world,message",
+    [
+        (["parallel.tp=3"], 3, "must divide model.num_attention_heads"),
+        (["parallel.pp=3"], 3, "num_layers = 2 is not divisible by pp\\*vpp"),
+        (["parallel.tp=2"], 3, "world size 3 is not divisible by tp\\*pp\\*cp"),
+        (["train.global_batch_size=6"], 4, "global_batch_size = 6 is not divisible"),
+        (["parallel.vpp=2"], 1, "vpp = 2 needs parallel.pp > 1"),
+        (["model.normalization=batchnorm"], 1, "model.normalization = 'batchnorm' is not one of"),
+        (["model.num_attention_heads=3"], 1, "hidden_size = 64 is not divisible"),
+        (["parallel.cp=2", "model.seq_length=6"], 2, "divisible by 2\\*cp"),
+    ],
+)
+def test_invalid_layouts_rejected_with_arithmetic(overrides, world, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides).resolve(world_size=world, tokenizer_vocab_size=257)
+
+
+def test_pipeline_split_with_first_and_last_stage():
+    p = ParallelConfig(pp=4, first_stage_layers=1, last_stage_layers=3)
+    assert pipeline_layer_split(12, p) == [1, 4, 4, 3]
+    with pytest.raises(ConfigError, match="does not split evenly"):
+        pipeline_layer_split(11, p)
+
+
+def test_diff_and_format_round_trip(tmp_path):
+    a = RunConfig().resolve(1, 257)
+    b = load_config(None, ["model.num_layers=4"]).resolve(1, 257)
+    assert config_diff(a, b) == ["model.num_layers: 2 -> 4"]
+    text = format_config(b)
+    reread = load_config(write(tmp_path, text.replace("resolved", "x")))
+    assert config_diff(reread.resolve(1, 257), b) == []
