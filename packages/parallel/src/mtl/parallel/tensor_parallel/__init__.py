@@ -1,0 +1,25 @@
+"""Tensor and sequence parallelism: autograd mappings, parallel linears, vocab-parallel
+embedding and cross-entropy. Activations are sequence-first ``[s, b, h]``."""
+
+from mtl.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mtl.parallel.tensor_parallel.mappings import (
+    copy_to_tensor_parallel,
+    gather_from_sequence_parallel,
+    gather_from_tensor_parallel,
+    reduce_from_tensor_parallel,
+    reduce_scatter_to_sequence_parallel,
+    scatter_to_sequence_parallel,
+    scatter_to_tensor_parallel,
+)
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "copy_to_tensor_parallel",
+    "gather_from_sequence_parallel",
+    "gather_from_tensor_parallel",
+    "reduce_from_tensor_parallel",
+    "reduce_scatter_to_sequence_parallel",
+    "scatter_to_sequence_parallel",
+    "scatter_to_tensor_parallel",
+]

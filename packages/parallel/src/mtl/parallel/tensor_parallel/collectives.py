@@ -1,0 +1,68 @@
+"""Raw collectives over one process group, without autograd; the mappings build on them.
+
+Each takes ``group=None`` to mean "one rank" and then returns its input unchanged, so that
+layers run the same code at tp=1 without a process group. Concatenation along a dimension
+other than 0 goes through dimension 0 (the layout NCCL's all-gather/reduce-scatter use).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum over the group into a fresh tensor (the input is left untouched)."""
+    if group_size(group) == 1:
+        return x
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def split_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's contiguous slice of ``x`` along ``dim`` (size must divide evenly)."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    if x.shape[dim] % size:
+        raise ValueError(f"dimension {dim} of shape {tuple(x.shape)} is not divisible by the group size {size}")
+    return x.chunk(size, dim=dim)[group_rank(group)].contiguous()
+
+
+def all_gather_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``: [.., n, ..] -> [.., n*size, ..]."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] * size, *moved.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sum over the group and keep this rank's slice along ``dim``: [.., n, ..] -> [.., n/size, ..]."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    if x.shape[dim] % size:
+        raise ValueError(f"dimension {dim} of shape {tuple(x.shape)} is not divisible by the group size {size}")
+    moved = x.movedim(dim, 0).contiguous()
+    if dist.get_backend(group) == "gloo":
+        # gloo has no reduce-scatter: sum everything, keep our chunk (same result, more traffic)
+        summed = moved.clone()
+        dist.all_reduce(summed, group=group)
+        out = summed.chunk(size, dim=0)[group_rank(group)].contiguous()
+    else:
+        out = torch.empty((moved.shape[0] // size, *moved.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, moved, group=group)
+    return out.movedim(0, dim)

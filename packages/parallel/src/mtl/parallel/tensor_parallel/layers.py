@@ -1,0 +1,178 @@
+"""Column- and row-parallel linear layers (Megatron's), sequence-first ``[s, b, h]``.
+
+A transformer MLP is ``Row(act(Column(x)))``: the column layer splits its output features
+over TP, the row layer splits its input features, and the two need one all-reduce forward
+and one backward between them. With ``sequence_parallel`` the replicated activations outside
+the pair are split along the sequence instead (``[s/tp, b, h]``), and the all-reduce becomes
+an all-gather before the column layer and a reduce-scatter after the row layer.
+
+Every split parameter carries ``tp_split_dim`` (0 or 1) and ``tp_partition_stride``.
+Replicated parameters (a row layer's bias) carry neither; their gradients are complete on
+every TP rank after backward (under sequence parallelism they are summed over TP here).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtl.core.errors import ParallelError
+from mtl.parallel.tensor_parallel import mappings
+from mtl.parallel.tensor_parallel.sharding import divide, shard_of, tp_size_and_rank
+
+
+def mark_tp_split(param: nn.Parameter, dim: int, stride: int = 1) -> None:
+    param.tp_split_dim = dim
+    param.tp_partition_stride = stride
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x Wᵀ + b with W ``[out/tp, in]``: input ``[s, b, in]`` (``[s/tp, b, in]`` under
+    sequence parallelism), output ``[s, b, out/tp]`` (``[s, b, out]`` with gather_output)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = True,
+        init_std: float = 0.02,
+        topology=None,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        stride: int = 1,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.tp, self.tp_rank, self.tp_group = tp_size_and_rank(topology)
+        if gather_output and sequence_parallel:
+            raise ParallelError(
+                "ColumnParallelLinear: gather_output=True with sequence_parallel=True is not a "
+                "layout (the output would be full-sequence and full-width); use one of them"
+            )
+        self.input_size = input_size
+        self.output_size = output_size
+        self.output_size_per_partition = divide(output_size, self.tp, "ColumnParallelLinear output_size")
+        divide(output_size, self.tp * stride, f"ColumnParallelLinear output_size (stride {stride})")
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel and self.tp > 1
+        self.stride = stride
+        self.weight = nn.Parameter(
+            torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype, device=device)
+        )
+        mark_tp_split(self.weight, 0, stride)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.output_size_per_partition, dtype=params_dtype, device=device))
+            mark_tp_split(self.bias, 0, stride)
+        else:
+            self.register_parameter("bias", None)
+        self.init_std = init_std
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    @torch.no_grad()
+    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copy this rank's shard of a global ``[out, in]`` weight (and ``[out]`` bias)."""
+        self.weight.copy_(shard_of(weight, 0, self.tp, self.tp_rank, self.stride))
+        if bias is not None:
+            self.bias.copy_(shard_of(bias, 0, self.tp, self.tp_rank, self.stride))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = mappings.gather_from_sequence_parallel(x, self.tp_group)  # [s/tp, b, in] -> [s, b, in]
+        else:
+            x = mappings.copy_to_tensor_parallel(x, self.tp_group)
+        y = F.linear(x, self.weight, self.bias)  # [s, b, out/tp]
+        if self.gather_output:
+            y = mappings.gather_from_tensor_parallel(y, self.tp_group)  # [s, b, out]
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size}, out={self.output_size} (local {self.output_size_per_partition}), "
+            f"bias={self.bias is not None}, tp={self.tp}, sequence_parallel={self.sequence_parallel}, "
+            f"gather_output={self.gather_output}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """y = x Wᵀ + b with W ``[out, in/tp]``: input ``[s, b, in/tp]`` (or ``[s, b, in]`` with
+    input_is_parallel=False), output ``[s, b, out]`` summed over TP (``[s/tp, b, out]`` under
+    sequence parallelism). The bias is replicated and added after the reduction."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = True,
+        init_std: float = 0.02,
+        topology=None,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.tp, self.tp_rank, self.tp_group = tp_size_and_rank(topology)
+        if sequence_parallel and not input_is_parallel:
+            raise ParallelError(
+                "RowParallelLinear: sequence_parallel=True needs input_is_parallel=True (the input "
+                "of a sequence-parallel row layer is the output of a column layer)"
+            )
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_size_per_partition = divide(input_size, self.tp, "RowParallelLinear input_size")
+        self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel and self.tp > 1
+        self.weight = nn.Parameter(
+            torch.empty(output_size, self.input_size_per_partition, dtype=params_dtype, device=device)
+        )
+        mark_tp_split(self.weight, 1)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size, dtype=params_dtype, device=device))
+        else:
+            self.register_parameter("bias", None)
+        self.init_std = init_std
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    @torch.no_grad()
+    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copy this rank's shard of a global ``[out, in]`` weight (the bias is whole)."""
+        self.weight.copy_(shard_of(weight, 1, self.tp, self.tp_rank))
+        if bias is not None:
+            self.bias.copy_(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = mappings.scatter_to_tensor_parallel(x, self.tp_group)  # [s, b, in] -> [s, b, in/tp]
+        partial = F.linear(x, self.weight)  # [s, b, out], a partial sum on each TP rank
+        if self.sequence_parallel:
+            y = mappings.reduce_scatter_to_sequence_parallel(partial, self.tp_group)  # -> [s/tp, b, out]
+        else:
+            y = mappings.reduce_from_tensor_parallel(partial, self.tp_group)
+        if self.bias is None:
+            return y
+        bias = self.bias
+        if self.sequence_parallel:
+            # each rank sees a different part of the sequence: sum the bias gradient over TP
+            bias = mappings.copy_to_tensor_parallel(bias, self.tp_group)
+        return y + bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size} (local {self.input_size_per_partition}), out={self.output_size}, "
+            f"bias={self.bias is not None}, tp={self.tp}, sequence_parallel={self.sequence_parallel}, "
+            f"input_is_parallel={self.input_is_parallel}"
+        )
