@@ -13,4 +13,4 @@ fi
 .venv/bin/python -m pip install -q \
   -e packages/core -e packages/parallel -e "packages/models[test]" -e "packages/data[test]" \
   -e "packages/ckpt[test]" -e "packages/train[test]" -e packages/cli \
-  pytest pytest-timeout nox
+  -e examples/plugins/mtl-example-plugin pytest pytest-timeout nox

@@ -14,6 +14,9 @@ import pluggy
 
 from mtl.core import hookspecs
 from mtl.core.errors import NotInstalledError, PluginError
+from mtl.core.log import get_logger
+
+log = get_logger(__name__)
 
 # Which distribution provides the names users are most likely to ask for, so that a missing
 # one is answered with the command that installs it.
@@ -41,6 +44,7 @@ KIND_HOOKS: dict[str, str] = {
 _manager: pluggy.PluginManager | None = None
 _registries: dict[str, "Registry"] = {}
 _plugin_dists: dict[str, str] = {}  # plugin name -> distribution that provided it
+load_failures: list[str] = []  # entry points that raised on import, reported on lookups
 
 
 def plugin_manager() -> pluggy.PluginManager:
@@ -62,11 +66,14 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
                 continue
             try:
                 plugin = ep.load()
-            except Exception as exc:
-                raise PluginError(
+            except Exception as exc:  # one broken plugin must not take the others down
+                message = (
                     f"plugin '{ep.name}' of distribution {dist.metadata['name']} failed to load "
                     f"({ep.value}): {exc!r}; reinstall or uninstall that distribution"
-                ) from exc
+                )
+                load_failures.append(message)
+                log.warning(message)
+                continue
             pm.register(plugin, name=ep.name)
             _plugin_dists[ep.name] = dist.metadata["name"]
 
@@ -119,6 +126,8 @@ class Registry:
             provider = KNOWN_PROVIDERS.get(self.kind, {}).get(name)
             if provider:
                 message += f": pip install {provider}"
+            if load_failures:
+                message += "\n(some plugins failed to load: " + "; ".join(load_failures) + ")"
             raise NotInstalledError(message)
         return self._entries[name].value
 

@@ -1,0 +1,3 @@
+from mtl.cli.main import main
+
+main()

@@ -1,0 +1,67 @@
+"""``mtl train --dry-run``: what a run would be, without running it."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from mtl.core.config import RunConfig
+from mtl.core.config_io import format_config
+from mtl.core.flops import flops_per_iteration, memory_per_gpu_bytes, parameter_count
+from mtl.core.plugins import registry
+from mtl.parallel.topology import Topology
+
+
+def module_tree(module: torch.nn.Module, max_depth: int = 3) -> list[str]:
+    """One line per module down to ``max_depth``, with its parameter count; repeated
+    siblings of the same shape (the layers) are shown once with a multiplier."""
+    lines: list[str] = []
+
+    def count(m: torch.nn.Module) -> int:
+        return sum(p.numel() for p in m.parameters())
+
+    def walk(m: torch.nn.Module, name: str, depth: int) -> None:
+        lines.append(f"{'  ' * depth}{name} ({type(m).__name__}): {count(m):,}")
+        if depth >= max_depth:
+            return
+        children = list(m.named_children())
+        i = 0
+        while i < len(children):
+            child_name, child = children[i]
+            j = i
+            while j + 1 < len(children) and repr(children[j + 1][1]) == repr(child):
+                j += 1
+            if j > i:
+                lines.append(f"{'  ' * (depth + 1)}{child_name}..{children[j][0]}: {j - i + 1} x "
+                             f"{type(child).__name__}, {count(child):,} each")
+                walk(child, f"{child_name} (each)", depth + 2)
+            else:
+                walk(child, child_name, depth + 1)
+            i = j + 1
+
+    walk(module, "model", 0)
+    return lines
+
+
+def dry_run(cfg: RunConfig) -> str:
+    p = cfg.parallel
+    world_size = int(os.environ.get("WORLD_SIZE", p.tp * p.pp * p.cp))
+    tokenizer = registry("tokenizer").get(cfg.data.tokenizer).build(cfg.data.tokenizer_model)
+    cfg = cfg.resolve(world_size=world_size, tokenizer_vocab_size=tokenizer.vocab_size)
+    backend = registry("backend").get(cfg.model.backend)
+    family = registry("model family").get(cfg.model.family)
+    with torch.device("meta"):  # shapes only: no memory, no initialisation cost
+        model = family.build(cfg, Topology.single(), backend)
+    counts = parameter_count(cfg)
+    flops = flops_per_iteration(cfg)
+    memory = memory_per_gpu_bytes(cfg)
+    out = ["# resolved config", format_config(cfg), "# model (whole model, one process)"]
+    out += module_tree(model)
+    out += ["", "# parameters per component"]
+    out += [f"{name:>14}: {value:,}" for name, value in counts.items()]
+    out += ["", f"FLOPs per iteration: {flops:.4e} ({flops / 1e12:.2f} TFLOP, Megatron's count)",
+            f"world size {p.world_size}: tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp}; "
+            f"{cfg.train.num_micro_batches} micro-batches of {cfg.train.micro_batch_size} per step",
+            "estimated memory per GPU: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in memory.items())]
+    return "\n".join(out)

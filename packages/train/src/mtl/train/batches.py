@@ -1,0 +1,56 @@
+"""Micro-batches for this rank: the data-parallel slice of each global batch, split for
+context parallelism, with position ids, on the training device."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from mtl.core.config import RunConfig
+from mtl.data.sampler import MicroBatchSampler
+from mtl.parallel.topology import Topology
+
+
+def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+    return {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in samples[0]}
+
+
+class MicroBatches:
+    """Iterates micro-batches of ``dataset`` from ``consumed_samples`` on; every pipeline stage
+    of a data-parallel rank reads the same micro-batches (first stage: tokens; last: labels)."""
+
+    def __init__(self, dataset, config: RunConfig, topology: Topology, device: torch.device,
+                 consumed_samples: int = 0):
+        self.dataset = dataset
+        self.config = config
+        self.topology = topology
+        self.device = device
+        self.sampler = MicroBatchSampler(
+            total_samples=len(dataset),
+            consumed_samples=consumed_samples,
+            micro_batch_size=config.train.micro_batch_size,
+            dp_rank=topology.dp_rank,
+            dp_size=topology.dp,
+        )
+        self._indices = iter(self.sampler)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        indices = next(self._indices)
+        batch = collate([self.dataset[i] for i in indices])
+        seq_length = batch["tokens"].shape[1]
+        batch["position_ids"] = torch.arange(seq_length).unsqueeze(0).expand_as(batch["tokens"])
+        if self.topology.cp > 1:
+            from mtl.parallel.context_parallel import split_for_context_parallel
+
+            batch = {k: split_for_context_parallel(v, 1, self.topology) for k, v in batch.items()}
+        return {
+            k: v.to(self.device, non_blocking=True).to(torch.float32 if k == "loss_mask" else torch.int64)
+            for k, v in batch.items()
+        }
+
+    def take(self, count: int) -> list[dict[str, torch.Tensor]]:
+        return [next(self) for _ in range(count)]

@@ -1,0 +1,150 @@
+"""Training state <-> sharded checkpoints (mtl.ckpt).
+
+Model parameters and optimizer moments are stored under their global names and global
+shapes, so any rank layout can read them; iteration, data position, loss scale, the
+resolved config and versions go to the metadata; RNG states are stored per rank."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+import torch
+
+from mtl.ckpt import load as ckpt_load
+from mtl.ckpt import latest_iteration, read_metadata, save as ckpt_save
+from mtl.ckpt.sharded import ShardedTensor
+from mtl.core.config import RunConfig
+from mtl.core.config_io import config_diff, config_from_dict
+from mtl.core.errors import CheckpointError
+from mtl.core.log import get_logger
+from mtl.models.param_layout import global_layout
+from mtl.parallel.topology import Topology
+
+log = get_logger(__name__)
+
+# Keys that may change between a save and a resume without changing the model's numbers.
+RESUMABLE_CHANGES = ("train.iters", "train.exit_interval", "train.eval_interval", "train.eval_iters",
+                     "ckpt", "logging", "train.lr_decay_iters", "data.num_workers", "train.device")
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    return getattr(chunk, "module", chunk)
+
+
+def _replica_id(topology: Topology) -> int:
+    """0 on the one rank that writes a model-parallel shard; DP/CP copies hold the same values."""
+    return topology.dp_rank * topology.cp + topology.cp_rank
+
+
+def model_sharded_state(chunks: list, topology: Topology) -> dict[str, ShardedTensor]:
+    replica = _replica_id(topology)
+    state: dict[str, ShardedTensor] = {}
+    for chunk in chunks:
+        for name, (local, global_shape, offset) in global_layout(_unwrap(chunk), topology).items():
+            state[f"model.{name}"] = ShardedTensor(
+                key=f"model.{name}", data=local, global_shape=tuple(global_shape),
+                global_offset=tuple(offset), replica_id=replica,
+            )
+    return state
+
+
+def optimizer_sharded_state(optimizer, topology: Topology) -> dict[str, ShardedTensor]:
+    replica = 0 if getattr(optimizer, "is_dp_sharded", False) else _replica_id(topology)
+    state = {}
+    for name, (tensor, global_shape, offset) in optimizer.sharded_state("optimizer").items():
+        state[name] = ShardedTensor(key=name, data=tensor, global_shape=tuple(global_shape),
+                                    global_offset=tuple(offset), replica_id=replica)
+    return state
+
+
+def rng_sharded_state(topology: Topology) -> dict[str, ShardedTensor]:
+    """Per-rank RNG states, as rows of a [world_size, n] uint8 array."""
+    states = {"rng.cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["rng.cuda"] = torch.cuda.get_rng_state()
+    out = {}
+    for key, value in states.items():
+        row = value.view(1, -1)
+        out[key] = ShardedTensor(key=key, data=row, global_shape=(topology.world_size, row.shape[1]),
+                                 global_offset=(topology.rank, 0), replica_id=0)
+    return out
+
+
+def software_versions() -> dict[str, str]:
+    versions = {"torch": torch.__version__}
+    for dist in ("mtl-core", "mtl-parallel", "mtl-models", "mtl-data", "mtl-ckpt", "mtl-train"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def save_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimizer, *, iteration: int,
+                    consumed_samples: int, scaler_state: dict, saver=None) -> None:
+    state: dict[str, Any] = {
+        **model_sharded_state(chunks, topology),
+        **optimizer_sharded_state(optimizer, topology),
+        **rng_sharded_state(topology),
+    }
+    metadata = {
+        "iteration": iteration,
+        "consumed_samples": consumed_samples,
+        "loss_scaler": scaler_state,
+        "optimizer_common": optimizer.common_state() if hasattr(optimizer, "common_state") else {},
+        "config": config.to_dict(),
+        "versions": software_versions(),
+        "world_size": topology.world_size,
+    }
+    if saver is not None:
+        saver.save(state, config.ckpt.save, iteration, metadata)
+    else:
+        ckpt_save(state, config.ckpt.save, iteration, metadata)
+
+
+def check_compatible(saved: dict, config: RunConfig, directory: str) -> None:
+    """Name every difference between the saved and the current config; refuse the ones that
+    change the model's shape or the parallel layout of optimizer state we cannot reshard."""
+    saved_cfg = config_from_dict(saved)
+    saved_cfg.resolved = True
+    differences = config_diff(saved_cfg, config)
+    if not differences:
+        return
+    fatal = [d for d in differences if d.startswith("model.") and not d.startswith("model.backend")]
+    for line in differences:
+        log.warning("resuming %s with a changed setting: %s", directory, line)
+    if fatal:
+        raise CheckpointError(
+            f"checkpoint {directory} was saved from a different model:\n  " + "\n  ".join(fatal)
+            + "\nuse the same model settings, or start a new run without ckpt.load"
+        )
+
+
+def load_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimizer, directory: str,
+                    load_optimizer: bool = True) -> dict:
+    """Load in place; returns the metadata (iteration, consumed_samples, loss_scaler, ...)."""
+    iteration = latest_iteration(directory)
+    metadata = read_metadata(directory, iteration)
+    check_compatible(metadata["config"], config, directory)
+    if metadata.get("model_only"):  # a converted checkpoint: weights only, training starts anew
+        load_optimizer = False
+    template: dict[str, Any] = dict(model_sharded_state(chunks, topology))
+    same_layout = not metadata.get("model_only") and metadata.get("world_size") == topology.world_size and all(
+        metadata["config"]["parallel"].get(k) == getattr(config.parallel, k)
+        for k in ("tp", "pp", "vpp", "cp", "distributed_optimizer")
+    )
+    if load_optimizer:
+        if hasattr(optimizer, "materialize_state"):
+            optimizer.materialize_state()
+        template.update(optimizer_sharded_state(optimizer, topology))
+    if same_layout:
+        template.update(rng_sharded_state(topology))
+    ckpt_load(template, directory, iteration)
+    if same_layout:
+        torch.set_rng_state(template["rng.cpu"].data.view(-1).clone())
+        if "rng.cuda" in template:
+            torch.cuda.set_rng_state(template["rng.cuda"].data.view(-1).clone())
+    if load_optimizer and hasattr(optimizer, "load_common_state"):
+        optimizer.load_common_state(metadata.get("optimizer_common", {}))
+    return metadata

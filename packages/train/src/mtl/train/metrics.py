@@ -1,0 +1,37 @@
+"""Throughput as Megatron reports it: tokens/s, TFLOP/s per GPU (Megatron's FLOP formula),
+MFU against a measured peak, and peak memory."""
+
+from __future__ import annotations
+
+import torch
+
+from mtl.core.config import RunConfig
+from mtl.core.flops import flops_per_iteration
+
+
+def throughput(config: RunConfig, seconds_per_iteration: float) -> dict[str, float]:
+    tokens = config.train.global_batch_size * config.model.seq_length
+    tflops = flops_per_iteration(config) / seconds_per_iteration / config.parallel.world_size / 1e12
+    out = {
+        "tokens_per_s": tokens / seconds_per_iteration,
+        "tflops_per_gpu": tflops,
+        "iter_s": seconds_per_iteration,
+    }
+    if config.logging.peak_tflops > 0:
+        out["mfu"] = tflops / config.logging.peak_tflops
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def progress_line(step: int, total: int, metrics: dict) -> str:
+    parts = [f"step {step:>6}/{total}", f"loss {metrics['loss']:.4f}", f"lr {metrics['lr']:.3e}",
+             f"grad {metrics['grad_norm']:.3f}", f"{metrics['tokens_per_s']:,.0f} tok/s",
+             f"{metrics['tflops_per_gpu']:.2f} TFLOP/s/GPU", f"{metrics['iter_s'] * 1000:.0f} ms/it"]
+    if "mfu" in metrics:
+        parts.append(f"MFU {100 * metrics['mfu']:.1f}%")
+    if "mem_gb" in metrics:
+        parts.append(f"{metrics['mem_gb']:.1f} GiB")
+    if metrics.get("skipped_steps"):
+        parts.append(f"skipped {metrics['skipped_steps']}")
+    return " | ".join(parts)

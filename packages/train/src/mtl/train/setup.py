@@ -1,0 +1,122 @@
+"""Everything a training run needs, built once from the resolved config."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from mtl.core.config import RunConfig
+from mtl.core.log import get_logger
+from mtl.core.plugins import registry
+from mtl.parallel.distributed import init_distributed
+from mtl.parallel.topology import Topology
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Run:
+    config: RunConfig
+    topology: Topology
+    device: torch.device
+    tokenizer: Any
+    chunks: list[torch.nn.Module]  # model chunks of this rank (vpp of them), DP-wrapped
+    optimizer: Any
+    datasets: dict[str, Any] = field(default_factory=dict)
+
+
+def build_tokenizer(config: RunConfig):
+    spec = registry("tokenizer").get(config.data.tokenizer)
+    return spec.build(config.data.tokenizer_model)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_model_chunks(config: RunConfig, topology: Topology, device: torch.device) -> list[torch.nn.Module]:
+    """This rank's model chunks: one per virtual pipeline stage, holding its global layers."""
+    from mtl.parallel.pipeline import stage_layer_range
+
+    backend = registry("backend").get(config.model.backend)
+    family = registry("model family").get(config.model.family)
+    p = config.parallel
+    chunks = []
+    for chunk in range(p.vpp):
+        layer_range = stage_layer_range(
+            config.model.num_layers, topology, chunk,
+            first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,
+        )
+        first_virtual = topology.is_first_stage and chunk == 0
+        last_virtual = topology.is_last_stage and chunk == p.vpp - 1
+        model = family.build(
+            config, topology, backend,
+            pre_process=first_virtual, post_process=last_virtual, layer_range=layer_range,
+        )
+        chunks.append(model.to(device))
+    return chunks
+
+
+def wrap_data_parallel(config: RunConfig, topology: Topology, chunks: list[torch.nn.Module]):
+    from mtl.parallel.ddp import DataParallel
+
+    p = config.parallel
+    return [
+        DataParallel(
+            chunk, topology,
+            bucket_size_mb=p.bucket_size_mb,
+            overlap_grad_reduce=p.overlap_grad_reduce,
+            use_distributed_optimizer=p.distributed_optimizer,
+        )
+        for chunk in chunks
+    ]
+
+
+def build_optimizer(config: RunConfig, topology: Topology, ddp_chunks: list):
+    from mtl.parallel.optimizer import build_optimizer as build
+
+    t = config.train
+    return build(
+        ddp_chunks, topology,
+        use_distributed_optimizer=config.parallel.distributed_optimizer,
+        lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay,
+    )
+
+
+def dataset_sizes(config: RunConfig) -> dict[str, int]:
+    t = config.train
+    evals = t.iters // t.eval_interval + 1 if t.eval_interval else 0
+    return {
+        "train": t.iters * t.global_batch_size,
+        "valid": max(evals * t.eval_iters * t.global_batch_size, t.global_batch_size),
+        "test": max(t.eval_iters * t.global_batch_size, t.global_batch_size),
+    }
+
+
+def build_datasets(config: RunConfig, tokenizer, splits=("train", "valid")) -> dict[str, Any]:
+    spec = registry("dataset").get(config.data.dataset)
+    sizes = dataset_sizes(config)
+    return {split: spec.build(config, tokenizer, split, sizes[split]) for split in splits}
+
+
+def setup(config: RunConfig) -> Run:
+    """Start the process group, resolve the config, build model, optimizer and data."""
+    rank, world_size, device = init_distributed(config.train.device)
+    tokenizer = build_tokenizer(config)
+    config = config.resolve(world_size=world_size, tokenizer_vocab_size=tokenizer.vocab_size)
+    p = config.parallel
+    topology = Topology.build(tp=p.tp, pp=p.pp, cp=p.cp, vpp=p.vpp, ep=p.ep)
+    seed_everything(config.train.seed)
+    chunks = build_model_chunks(config, topology, device)
+    ddp_chunks = wrap_data_parallel(config, topology, chunks)
+    optimizer = build_optimizer(config, topology, ddp_chunks)
+    datasets = build_datasets(config, tokenizer)
+    if rank == 0:
+        log.info("topology: %s", topology.describe())
+    return Run(config, topology, device, tokenizer, ddp_chunks, optimizer, datasets)

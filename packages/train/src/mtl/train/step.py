@@ -1,0 +1,131 @@
+"""One training iteration (all micro-batches, gradient sync, clip, optimizer step) and one
+evaluation pass, over any combination of tp/pp/vpp/cp/dp."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mtl.core.config import RunConfig
+from mtl.parallel.topology import Topology
+from mtl.train.precision import DTYPES, LossScaler, autocast
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean over the global batch; NaN on ranks that are not the last stage
+    grad_norm: float
+    skipped: bool
+
+
+def _forward_step_factory(config: RunConfig, device: torch.device, loss_scale: float):
+    """The schedule's ``forward_step``: run a chunk on the next micro-batch, return its output
+    and a loss function (used on the last stage only)."""
+
+    def forward_step(batches, model_chunk):
+        batch = next(batches)
+        with autocast(config.train.precision, device):
+            output = model_chunk(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"])
+
+        def loss_func(per_token_loss):
+            mask = batch["loss_mask"]
+            # Mean over this micro-batch's tokens; the schedule divides by num_micro_batches
+            # and data parallelism averages, so the total is the mean over the global batch.
+            loss = (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1.0)
+            return loss * loss_scale, {"loss": loss.detach()}
+
+        return output, loss_func
+
+    return forward_step
+
+
+def _tensor_shape(config: RunConfig) -> tuple[int, int, int]:
+    """Shape of the activations passed between pipeline stages: [s/cp(/tp with SP), b, h]."""
+    m, p = config.model, config.parallel
+    seq = m.seq_length // p.cp
+    if p.sequence_parallel:
+        seq //= p.tp
+    return (seq, config.train.micro_batch_size, m.hidden_size)
+
+
+def _run_schedule(config, topology, chunks, batches_per_chunk, forward_step, forward_only):
+    from mtl.parallel.pipeline import forward_backward
+
+    dtype = torch.float32 if config.train.precision == "fp32" else DTYPES[config.train.precision]
+
+    def no_sync():
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        for chunk in chunks:
+            stack.enter_context(chunk.no_sync())
+        return stack
+
+    return forward_backward(
+        forward_step,
+        batches_per_chunk,
+        chunks,
+        num_micro_batches=config.train.num_micro_batches,
+        tensor_shape=_tensor_shape(config),
+        dtype=dtype,
+        topology=topology,
+        forward_only=forward_only,
+        no_sync_func=None if forward_only else no_sync,
+    )
+
+
+def _mean_loss(loss_dicts: list[dict], topology: Topology, device: torch.device) -> float:
+    """Average the micro-batch losses, then over data- and context-parallel ranks."""
+    if not topology.is_last_stage or not loss_dicts:
+        return float("nan")
+    loss = torch.stack([d["loss"].float() for d in loss_dicts]).mean().to(device)
+    group = topology.group("dp_cp")
+    if group is not None:
+        dist.all_reduce(loss, group=group)
+        loss /= dist.get_world_size(group)
+    return loss.item()
+
+
+def train_step(config: RunConfig, topology: Topology, chunks: list, optimizer, batches_per_chunk,
+               scaler: LossScaler, lr: float, device: torch.device) -> StepResult:
+    from mtl.parallel.optimizer import clip_grad_norm
+    from mtl.parallel.pipeline import allreduce_shared_embedding_grads
+
+    for chunk in chunks:
+        chunk.zero_grad()
+    forward_step = _forward_step_factory(config, device, scaler.scale)
+    loss_dicts = _run_schedule(config, topology, chunks, batches_per_chunk, forward_step, forward_only=False)
+    for chunk in chunks:
+        chunk.finish_grad_sync()
+    allreduce_shared_embedding_grads(chunks, topology)
+
+    params = [p for chunk in chunks for p in chunk.parameters() if p.grad is not None]
+    if scaler.scale != 1.0:
+        for p in params:
+            p.grad.mul_(1.0 / scaler.scale)
+    max_norm = config.train.clip_grad if config.train.clip_grad > 0 else float("inf")
+    grad_norm = float(clip_grad_norm(
+        params, max_norm, topology, grads_are_dp_sharded=config.parallel.distributed_optimizer,
+    ))
+    found_inf = not torch.isfinite(torch.tensor(grad_norm)).item()
+    skipped = scaler.update(found_inf)
+    if not skipped:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+    return StepResult(loss=_mean_loss(loss_dicts, topology, device), grad_norm=grad_norm, skipped=skipped)
+
+
+@torch.no_grad()
+def eval_step(config: RunConfig, topology: Topology, chunks: list, batches_per_chunk, device) -> float:
+    for chunk in chunks:
+        chunk.eval()
+    try:
+        forward_step = _forward_step_factory(config, device, 1.0)
+        loss_dicts = _run_schedule(config, topology, chunks, batches_per_chunk, forward_step, forward_only=True)
+    finally:
+        for chunk in chunks:
+            chunk.train()
+    return _mean_loss(loss_dicts, topology, device)
