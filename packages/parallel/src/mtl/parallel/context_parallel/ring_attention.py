@@ -1,0 +1,140 @@
+"""Ring attention over the context-parallel group, forward and exact backward.
+
+Each cp rank holds its load-balanced share of the sequence (see ``sharding.py``): two chunks
+of ``c`` tokens, ``r`` and ``2cp-1-r``. Key/value blocks travel around the ring
+(rank r sends to r+1, receives from r-1) with async p2p while the block in hand is computed;
+at step ``i`` rank ``r`` holds the keys/values of rank ``j = (r - i) mod cp``. The causal mask
+of a (query rank r, key rank j) pair follows from the chunk order
+``j < r < 2cp-1-r < 2cp-1-j`` (for j < r) and ``r < j, 2cp-1-j < 2cp-1-r`` (for j > r):
+
+    j == r: both chunks of q against both chunks of k/v, lower-triangular
+    j <  r: both chunks of q against the first chunk of k/v, no mask (the second is in the future)
+    j >  r: the second chunk of q against both chunks of k/v, no mask (the first q chunk is earlier)
+
+The backward pass runs the ring again: k/v travel as in the forward, and each block's dK/dV
+accumulator travels with it, collecting every rank's contribution; one last hop delivers it
+home. Only q, k, v, the output and the log-sum-exp are kept for backward (memory bounded).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mtl.parallel.context_parallel.block_attention import (
+    block_backward,
+    block_forward,
+    compute_dtype,
+    merge_partial,
+)
+from mtl.parallel.topology import Topology
+
+# Distinct tags keep the k/v and dK/dV messages apart on backends that match by tag (gloo).
+_KV_TAG = 1
+_DKV_TAG = 2
+
+
+class _Ring:
+    """This rank's place in the cp ring: global ranks of its neighbours and the group."""
+
+    def __init__(self, topology: Topology):
+        self.size = topology.cp
+        self.rank = topology.cp_rank
+        self.group = topology.cp_group
+        ranks = topology.group_ranks["cp"]  # sorted, so index == cp coordinate
+        self.next_global = ranks[(self.rank + 1) % self.size]
+        self.prev_global = ranks[(self.rank - 1) % self.size]
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
+        """Start sending ``send`` to the next rank and receiving ``recv`` from the previous one."""
+        ops = [
+            dist.P2POp(dist.isend, send, self.next_global, self.group, tag),
+            dist.P2POp(dist.irecv, recv, self.prev_global, self.group, tag),
+        ]
+        return dist.batch_isend_irecv(ops)
+
+
+def _block_plan(q_rank: int, kv_rank: int, chunk: int, causal: bool) -> tuple[slice, slice, bool]:
+    """(query rows, key rows, lower-triangular?) of the local sequence for one block pair."""
+    everything = slice(None)
+    if not causal:
+        return everything, everything, False
+    if kv_rank == q_rank:
+        return everything, everything, True
+    if kv_rank < q_rank:
+        return everything, slice(0, chunk), False
+    return slice(chunk, 2 * chunk), everything, False
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    """Autograd function of ring attention; call through ``context_parallel_attention``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring: _Ring, causal: bool, scale: float):
+        b, s_local, heads, d = q.shape
+        chunk = s_local // 2
+        dtype = compute_dtype(q.dtype)
+        out = torch.zeros(b, s_local, heads, d, dtype=dtype, device=q.device)
+        lse = torch.full((b, heads, s_local), float("-inf"), dtype=dtype, device=q.device)
+        kv = torch.stack([k, v]).contiguous()  # [2, b, s_local, groups, d]
+        for step in range(ring.size):
+            kv_rank = (ring.rank - step) % ring.size
+            pending, next_kv = [], None
+            if step < ring.size - 1:  # start the next block's transfer before computing this one
+                next_kv = torch.empty_like(kv)
+                pending = ring.exchange(kv, next_kv, _KV_TAG)
+            rows, keys, tri = _block_plan(ring.rank, kv_rank, chunk, causal)
+            part_out, part_lse = block_forward(q[:, rows], kv[0][:, keys], kv[1][:, keys], scale, tri)
+            out[:, rows], lse[:, :, rows] = merge_partial(out[:, rows], lse[:, :, rows], part_out, part_lse)
+            _wait(pending)
+            if next_kv is not None:
+                kv = next_kv
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.causal, ctx.scale = ring, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, causal, scale = ctx.ring, ctx.causal, ctx.scale
+        chunk = q.size(1) // 2
+        dtype = compute_dtype(q.dtype)
+        dout = dout.to(dtype)
+        # delta = rowsum(dO * O): [b, s_local, heads] -> [b, heads, s_local]
+        delta = (dout * out.to(dtype)).sum(-1).transpose(1, 2)
+        dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        dkv_pending: list = []
+        dkv_arrived = None  # the accumulator of the block in hand, from the previous rank
+        for step in range(ring.size):
+            kv_rank = (ring.rank - step) % ring.size
+            kv_pending, next_kv = [], None
+            if step < ring.size - 1:
+                next_kv = torch.empty_like(kv)
+                kv_pending = ring.exchange(kv, next_kv, _KV_TAG)
+            rows, keys, tri = _block_plan(ring.rank, kv_rank, chunk, causal)
+            dq_part, dk_part, dv_part = block_backward(
+                dout[:, rows], delta[:, :, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys],
+                lse[:, :, rows], scale, tri,
+            )
+            dq[:, rows] += dq_part
+            _wait(dkv_pending)
+            # [2, b, s_local, groups, d]: dK and dV of block kv_rank, summed over earlier ranks
+            dkv = dkv_arrived if dkv_arrived is not None else kv.new_zeros(kv.shape, dtype=dtype)
+            dkv[0][:, keys] += dk_part
+            dkv[1][:, keys] += dv_part
+            # Pass it on; after the last step what arrives is this rank's own, complete dK/dV.
+            dkv_arrived = torch.empty_like(dkv)
+            dkv_pending = ring.exchange(dkv, dkv_arrived, _DKV_TAG)
+            _wait(kv_pending)
+            if next_kv is not None:
+                kv = next_kv
+        _wait(dkv_pending)
+        dk, dv = dkv_arrived[0].to(k.dtype), dkv_arrived[1].to(v.dtype)
+        return dq.to(q.dtype), dk, dv, None, None, None

@@ -1,0 +1,110 @@
+"""Shared by the context-parallel tests: the attention cases, their inputs, the reference, and
+the per-rank worker that ``run_distributed`` starts (a plain module so spawned processes can
+import it by name)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mtl.core.errors import ParallelError
+from mtl.parallel.context_parallel import (
+    context_parallel_attention,
+    context_parallel_position_ids,
+    gather_from_context_parallel,
+    split_for_context_parallel,
+)
+from mtl.parallel.topology import Topology
+
+BATCH, SEQ, HEAD_DIM = 2, 16, 8
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: torch.dtype
+    causal: bool
+    heads: int
+    groups: int
+    softmax_scale: float | None = None
+
+    @property
+    def name(self) -> str:
+        kind = "causal" if self.causal else "full"
+        scale = "" if self.softmax_scale is None else f"-scale{self.softmax_scale}"
+        return f"{str(self.dtype).removeprefix('torch.')}-{kind}-h{self.heads}g{self.groups}{scale}"
+
+
+CASES = [
+    Case(torch.float32, True, 4, 4),
+    Case(torch.float32, False, 4, 4),
+    Case(torch.float32, True, 4, 2),  # grouped-query attention
+    Case(torch.float32, False, 4, 2),
+    Case(torch.float32, True, 4, 1, softmax_scale=0.5),
+    Case(torch.float64, True, 4, 2),
+    Case(torch.float64, False, 4, 2),
+]
+
+
+def make_inputs(case: Case, seed: int = 1234) -> dict[str, torch.Tensor]:
+    """Full-sequence q ``[b, s, heads, d]``, k/v ``[b, s, groups, d]`` and an output gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {
+        "q": (BATCH, SEQ, case.heads, HEAD_DIM),
+        "k": (BATCH, SEQ, case.groups, HEAD_DIM),
+        "v": (BATCH, SEQ, case.groups, HEAD_DIM),
+        "dout": (BATCH, SEQ, case.heads, HEAD_DIM),
+    }
+    return {name: torch.randn(shape, generator=gen, dtype=torch.float64).to(case.dtype) for name, shape in shapes.items()}
+
+
+def reference_attention(case: Case, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Output and q/k/v gradients of plain full-sequence attention in float64, in one process."""
+    q, k, v = (inputs[n].double().requires_grad_() for n in ("q", "k", "v"))
+    repeats = case.heads // case.groups
+    k_heads, v_heads = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
+    scale = case.softmax_scale if case.softmax_scale is not None else HEAD_DIM**-0.5
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k_heads) * scale
+    if case.causal:
+        future = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v_heads)
+    out.backward(inputs["dout"].double())
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def _run_case(case: Case, topology: Topology) -> dict[str, torch.Tensor]:
+    inputs = make_inputs(case)
+    q, k, v = (split_for_context_parallel(inputs[n], 1, topology).requires_grad_() for n in ("q", "k", "v"))
+    out = context_parallel_attention(
+        q, k, v, topology=topology, causal=case.causal, softmax_scale=case.softmax_scale
+    )
+    out.backward(split_for_context_parallel(inputs["dout"], 1, topology))
+    gathered = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    return {name: gather_from_context_parallel(t, 1, topology) for name, t in gathered.items()}
+
+
+def worker(layouts: list[tuple[int, int]]) -> dict:
+    """On every rank: for each (tp, cp) layout, every case gathered to full order, plus the
+    sharding checks and the dropout refusal. Returns everything for the parent to compare."""
+    results: dict = {}
+    for tp, cp in layouts:
+        topology = Topology.build(tp=tp, cp=cp)
+        layout = {"cp_rank": topology.cp_rank, "cases": {}}
+        for case in CASES:
+            layout["cases"][case.name] = _run_case(case, topology)
+        full = torch.arange(2 * 3 * SEQ, dtype=torch.float32).reshape(2, SEQ, 3)
+        local = split_for_context_parallel(full, 1, topology)
+        layout["local_shape"] = tuple(local.shape)
+        layout["round_trip"] = gather_from_context_parallel(local, -2, topology)
+        layout["position_ids"] = context_parallel_position_ids(SEQ, topology)
+        try:
+            q = torch.zeros(1, SEQ // cp, 2, 4)
+            context_parallel_attention(q, q, q, topology=topology, dropout_p=0.1)
+            layout["dropout_error"] = None
+        except ParallelError as err:
+            layout["dropout_error"] = str(err)
+        results[(tp, cp)] = layout
+        dist.barrier()
+    return results
