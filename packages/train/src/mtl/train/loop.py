@@ -32,6 +32,7 @@ class TrainResult:
     final_iteration: int = 0
     stopped_by: str = "iters"  # iters | exit_interval | signal
     skipped_steps: int = 0
+    run: Run | None = None  # the model and optimizer as they ended, for inspection and tests
 
 
 class _StopSignal:
@@ -149,6 +150,7 @@ def train(config: RunConfig, progress: bool = True) -> TrainResult:
     result.final_iteration = iteration
     result.skipped_steps = scaler.skipped_steps
     result.config = cfg
+    result.run = run
     return result
 
 
