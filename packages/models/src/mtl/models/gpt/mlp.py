@@ -1,0 +1,76 @@
+"""The feed-forward block: column-parallel fc1, activation, row-parallel fc2.
+
+GELU (GPT-2 style): ``fc2(gelu(fc1(x)))`` with fc1 ``[ffn, h]``. SwiGLU (Llama style):
+fc1 fuses gate and up projections, ``[2 * ffn, h]`` globally, and each TP rank holds
+``[gate_local; up_local]`` (``stride = 2``, tagged ``tp_stride = 2`` for the parameter layout);
+``fc2(silu(gate) * up)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtl.core.spec import build_module
+
+
+@dataclass(frozen=True)
+class MLPSubmodules:
+    linear_fc1: Any
+    linear_fc2: Any
+
+
+class MLP(nn.Module):
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        activation: str,
+        bias: bool,
+        init_std: float,
+        output_init_std: float,
+        sequence_parallel: bool,
+        topology,
+        submodules: MLPSubmodules,
+    ):
+        super().__init__()
+        self.gated = activation == "swiglu"
+        fc1_width = 2 * ffn_hidden_size if self.gated else ffn_hidden_size
+        self.linear_fc1 = build_module(
+            submodules.linear_fc1,
+            hidden_size,
+            fc1_width,
+            bias=bias,
+            init_std=init_std,
+            topology=topology,
+            sequence_parallel=sequence_parallel,
+            stride=2 if self.gated else 1,
+        )
+        if self.gated:
+            for param in self.linear_fc1.parameters():
+                param.tp_stride = 2
+        self.linear_fc2 = build_module(
+            submodules.linear_fc2,
+            ffn_hidden_size,
+            hidden_size,
+            bias=bias,
+            init_std=output_init_std,
+            topology=topology,
+            input_is_parallel=True,
+            sequence_parallel=sequence_parallel,
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[s(/tp), b, h] -> [s(/tp), b, h] (the sequence split is SP's, undone and redone by the linears)."""
+        intermediate = self.linear_fc1(hidden)  # [s, b, fc1_width / tp]
+        if self.gated:
+            gate, up = intermediate.chunk(2, dim=-1)  # each [s, b, ffn / tp]
+            intermediate = F.silu(gate) * up
+        else:
+            intermediate = F.gelu(intermediate)
+        return self.linear_fc2(intermediate)

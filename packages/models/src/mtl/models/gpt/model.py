@@ -1,0 +1,159 @@
+"""``GPTModel``: embedding -> transformer layers -> final norm -> vocab-parallel LM head.
+
+One class covers GPT-2 style (learned positions, LayerNorm, GELU, biases, tied embeddings)
+and Llama style (RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases, untied head);
+the config picks, the backend supplies the leaves. A pipeline stage builds only its part:
+``pre_process`` (the embedding), ``post_process`` (final norm, LM head, loss) and the layers
+of ``layer_range``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mtl.core.config import RunConfig
+from mtl.core.errors import ConfigError
+from mtl.core.registrations import Backend
+from mtl.core.spec import build_module
+from mtl.models.gpt.embedding import GPTEmbedding
+from mtl.models.gpt.inference_context import InferenceContext
+from mtl.models.gpt.layer_spec import layer_spec, norm_spec
+from mtl.models.gpt.rope import RotaryEmbedding
+from mtl.models.gpt.transformer_block import TransformerBlock
+from mtl.models.gpt.transformer_layer import sequence_parallel_norm_kwargs
+from mtl.parallel.tensor_parallel import vocab_parallel_cross_entropy
+
+
+class GPTModel(nn.Module):
+    def __init__(
+        self,
+        config: RunConfig,
+        topology,
+        backend: Backend,
+        *,
+        pre_process: bool = True,
+        post_process: bool = True,
+        layer_range: tuple[int, int] | None = None,
+    ):
+        super().__init__()
+        if not config.resolved:
+            raise ConfigError("build_gpt needs a resolved config: call config.resolve(world_size, vocab_size) first")
+        m = config.model
+        self.config = config
+        self.topology = topology
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.sequence_parallel = config.parallel.sequence_parallel and topology.tp > 1
+        self.vocab_size = m.vocab_size  # the true vocabulary; logits beyond it are padding
+        self.input_tensor: torch.Tensor | None = None
+
+        if pre_process:
+            self.embedding = GPTEmbedding(
+                padded_vocab_size=m.padded_vocab_size,
+                hidden_size=m.hidden_size,
+                max_position_embeddings=m.max_position_embeddings if m.position_embedding == "learned" else None,
+                init_std=m.init_std,
+                hidden_dropout=m.hidden_dropout,
+                sequence_parallel=self.sequence_parallel,
+                topology=topology,
+            )
+        self.rotary = RotaryEmbedding(m.head_dim, m.rope_theta) if m.position_embedding == "rope" else None
+        self.layers = TransformerBlock(
+            layer_spec(config, backend),
+            layer_range if layer_range is not None else (0, m.num_layers),
+            m.num_layers,
+            topology,
+            recompute_full=config.train.recompute == "full",
+        )
+        if post_process:
+            self.final_norm = build_module(
+                norm_spec(config, backend, m.hidden_size),
+                **sequence_parallel_norm_kwargs(self.sequence_parallel, topology),
+            )
+            self.output_layer = backend.column_linear(
+                m.hidden_size,
+                m.padded_vocab_size,
+                bias=False,
+                init_std=m.init_std,
+                topology=topology,
+                gather_output=False,
+                sequence_parallel=self.sequence_parallel,
+            )
+        if m.tie_embeddings:
+            self._tie_embeddings()
+
+    def _tie_embeddings(self) -> None:
+        """One stage with both ends shares the Parameter. Split over pipeline stages, the
+        last stage keeps its own copy (initialised from the same global tensor, see
+        param_layout) and both are flagged so the pipeline all-reduces their gradients."""
+        if self.pre_process and self.post_process:
+            self.output_layer.weight = self.embedding.word_embeddings.weight
+        elif self.pre_process:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+        elif self.post_process:
+            self.output_layer.weight.shared_embedding = True
+
+    def set_input_tensor(self, input_tensor: torch.Tensor) -> None:
+        """The hidden states ``[s(/tp), b, h]`` a later pipeline stage starts from."""
+        self.input_tensor = input_tensor
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        inference_context: InferenceContext | None = None,
+    ) -> torch.Tensor:
+        """input_ids [b, s] -> per-token fp32 loss [b, s] (with labels [b, s]), else logits
+        [b, s, V/tp]; a stage without ``post_process`` returns hidden [s(/tp), b, h]."""
+        hidden = self._stage_input(input_ids)
+        seq_len, batch = self._sequence_and_batch(input_ids, hidden)
+        if position_ids is None:
+            offset = inference_context.sequence_offset if inference_context is not None else 0
+            device = input_ids.device if input_ids is not None else hidden.device
+            position_ids = torch.arange(offset, offset + seq_len, device=device).expand(batch, seq_len)
+        if hidden is None:
+            hidden = self.embedding(input_ids, position_ids)  # [s(/tp), b, h]
+        rotary = self.rotary(position_ids) if self.rotary is not None else None  # [b, s, 1, d]
+        hidden = self.layers(hidden, rotary, inference_context)
+        if inference_context is not None:
+            inference_context.advance(seq_len)
+        if not self.post_process:
+            return hidden
+        logits = self.output_layer(self.final_norm(hidden))  # [s(/tp), b, h] -> [s, b, V/tp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()  # [b, s, V/tp]
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.topology)  # [s, b] fp32
+        return loss.t()  # [b, s]
+
+    def _stage_input(self, input_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """None on the first stage (it embeds input_ids); the hidden states set by the pipeline otherwise."""
+        if self.pre_process:
+            if input_ids is None:
+                raise ConfigError("the first pipeline stage needs input_ids [b, s]")
+            return None
+        if self.input_tensor is None:
+            raise ConfigError("a later pipeline stage needs set_input_tensor(hidden [s, b, h]) before forward")
+        return self.input_tensor
+
+    def _sequence_and_batch(self, input_ids: torch.Tensor | None, hidden: torch.Tensor | None) -> tuple[int, int]:
+        if input_ids is not None:
+            return input_ids.shape[1], input_ids.shape[0]
+        local_seq = hidden.shape[0]  # [s(/tp), b, h]
+        return local_seq * (self.topology.tp if self.sequence_parallel else 1), hidden.shape[1]
+
+
+def build_gpt(
+    config: RunConfig,
+    topology,
+    backend: Backend,
+    *,
+    pre_process: bool = True,
+    post_process: bool = True,
+    layer_range: tuple[int, int] | None = None,
+) -> GPTModel:
+    """A GPT model (or one pipeline stage of it) from a resolved config, with the backend's leaves."""
+    return GPTModel(
+        config, topology, backend, pre_process=pre_process, post_process=post_process, layer_range=layer_range
+    )

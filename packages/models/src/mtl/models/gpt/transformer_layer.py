@@ -1,0 +1,61 @@
+"""One pre-norm transformer layer: input norm -> self-attention -> residual -> pre-MLP norm
+-> MLP -> residual. Its parts come from a ``ModuleSpec`` (see ``layer_spec.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtl.core.spec import build_module
+from mtl.models.gpt.inference_context import InferenceContext
+
+
+@dataclass(frozen=True)
+class TransformerLayerSubmodules:
+    input_norm: Any
+    self_attention: Any
+    pre_mlp_norm: Any
+    mlp: Any
+
+
+def sequence_parallel_norm_kwargs(sequence_parallel: bool, topology) -> dict:
+    """Under sequence parallelism a norm sees ``[s/tp, b, h]`` with a replicated weight, so it
+    needs the topology to sum its gradients over TP (the local backend's extra keywords).
+    Passed only then, so that a backend following the bare ``norm`` contract still builds."""
+    return {"topology": topology, "sequence_parallel": True} if sequence_parallel else {}
+
+
+class TransformerLayer(nn.Module):
+    def __init__(
+        self,
+        *,
+        layer_number: int,
+        hidden_dropout: float,
+        sequence_parallel: bool,
+        topology,
+        submodules: TransformerLayerSubmodules,
+    ):
+        super().__init__()
+        self.layer_number = layer_number  # global, 0-based
+        self.hidden_dropout = hidden_dropout
+        norm_kwargs = sequence_parallel_norm_kwargs(sequence_parallel, topology)
+        self.input_norm = build_module(submodules.input_norm, **norm_kwargs)
+        self.self_attention = build_module(submodules.self_attention, layer_number=layer_number, topology=topology)
+        self.pre_mlp_norm = build_module(submodules.pre_mlp_norm, **norm_kwargs)
+        self.mlp = build_module(submodules.mlp, topology=topology)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        inference_context: InferenceContext | None = None,
+    ) -> torch.Tensor:
+        """[s(/tp), b, h] -> [s(/tp), b, h]."""
+        attention_out = self.self_attention(self.input_norm(hidden), rotary, inference_context)
+        hidden = hidden + F.dropout(attention_out, p=self.hidden_dropout, training=self.training)
+        mlp_out = self.mlp(self.pre_mlp_norm(hidden))
+        return hidden + F.dropout(mlp_out, p=self.hidden_dropout, training=self.training)

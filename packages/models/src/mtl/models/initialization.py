@@ -1,0 +1,51 @@
+"""Layout-independent initialization: the same global weights whatever the parallel layout.
+
+Each parameter is drawn from its own generator, seeded by (seed, global name), as the full
+global tensor; every rank copies its box of it (``param_layout.global_layout``). A model
+built at tp=1 and one built at tp=2 therefore start bit-identical, and a pipeline stage's
+tied output weight starts equal to the word embedding (the same global name).
+
+Rules (Megatron's): norm weights one, biases zero, the two projections that write into the
+residual stream (attention ``linear_proj`` and MLP ``linear_fc2``) normal with
+``init_std / sqrt(2 * num_layers)``, everything else normal with ``init_std``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import nn
+
+from mtl.models.gpt.layer_spec import output_init_std
+from mtl.models.param_layout import box, global_layout
+
+RESIDUAL_OUTPUT_MODULES = ("linear_proj", "linear_fc2")
+
+
+def parameter_seed(seed: int, global_name: str) -> int:
+    """A 63-bit seed from (seed, name), stable across processes and Python versions."""
+    digest = hashlib.sha256(f"{seed}:{global_name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def initial_value(global_name: str, global_shape: tuple[int, ...], seed: int, config) -> torch.Tensor:
+    """The full fp32 global tensor a parameter starts from."""
+    module_path, _, leaf = global_name.rpartition(".")
+    module_name = module_path.rpartition(".")[2]
+    if "bias" in leaf:
+        return torch.zeros(global_shape)
+    if module_name.endswith("norm"):
+        return torch.ones(global_shape)
+    std = output_init_std(config) if module_name in RESIDUAL_OUTPUT_MODULES else config.model.init_std
+    generator = torch.Generator().manual_seed(parameter_seed(seed, global_name))
+    return torch.empty(global_shape).normal_(0.0, std, generator=generator)
+
+
+@torch.no_grad()
+def initialize_parameters(model: nn.Module, seed: int, topology) -> None:
+    """Fill every parameter of ``model`` (a GPTModel or a stage of one) with this rank's box
+    of its layout-independent initial value."""
+    for global_name, (local, global_shape, global_offset) in global_layout(model, topology).items():
+        full = initial_value(global_name, global_shape, seed, model.config)
+        local.copy_(box(full, local.shape, global_offset))

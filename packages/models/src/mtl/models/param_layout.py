@@ -1,0 +1,128 @@
+"""Where each rank's parameter shard sits inside the layout-independent global tensor.
+
+The global tensor of a parameter is the same whatever the TP degree; each rank holds one
+contiguous box of it. Checkpoints, the HF converters and the initializer all use this map:
+
+- a TP parameter carries ``param.tp_split_dim``; its box is ``tp_rank``'s equal slice of it;
+- fused QKV rows are ordered group-major (``[g0: its q heads, k, v][g1: ...]``), so a split
+  over query groups is already a contiguous slice of dim 0;
+- a fused SwiGLU fc1 (tagged ``param.tp_stride = 2``) holds ``[gate_local; up_local]``, i.e.
+  ``[2 * ffn_local, h]``; it is presented as ``[2, ffn, h]`` split on dim 1, so that its
+  global tensor does not depend on TP;
+- a last-stage output weight tied to the word embedding (``param.shared_embedding`` on a
+  stage without the embedding) is the same global tensor as ``embedding.word_embeddings.weight``
+  and is listed under that name.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mtl.core.errors import ParallelError
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+TIED_OUTPUT = "output_layer.weight"
+
+Layout = dict[str, tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]
+
+
+def global_layout(model: nn.Module, topology) -> Layout:
+    """``{global name: (local_view, global_shape, global_offset)}`` for every parameter of
+    ``model`` on this rank; ``local_view`` shares storage with the parameter (writing it
+    writes the parameter) and has the rank of the global tensor."""
+    return {
+        global_name: (_global_view(name, param, param.data), shape, offset)
+        for global_name, name, param, shape, offset in _entries(model, topology)
+    }
+
+
+def _entries(model: nn.Module, topology):
+    """(global name, local name, parameter, global shape, global offset) per parameter."""
+    tp, tp_rank = topology.tp, topology.tp_rank
+    seen: dict[str, str] = {}
+    for name, param in model.named_parameters():
+        local = _global_view(name, param, param.data)
+        split_dim = _split_dim(param)
+        global_shape = list(local.shape)
+        global_offset = [0] * local.dim()
+        if split_dim is not None and tp > 1:
+            global_shape[split_dim] = local.shape[split_dim] * tp
+            global_offset[split_dim] = local.shape[split_dim] * tp_rank
+        global_name = name
+        if name == TIED_OUTPUT and getattr(param, "shared_embedding", False):
+            global_name = WORD_EMBEDDING
+        if global_name in seen:
+            raise ParallelError(f"parameters {seen[global_name]} and {name} map to one global tensor {global_name}")
+        seen[global_name] = name
+        yield global_name, name, param, tuple(global_shape), tuple(global_offset)
+
+
+def _split_dim(param: torch.Tensor) -> int | None:
+    split_dim = getattr(param, "tp_split_dim", None)
+    return 1 if getattr(param, "tp_stride", 1) != 1 else split_dim
+
+
+def _global_view(name: str, param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (the parameter's data or gradient) with the rank of the global tensor."""
+    stride = getattr(param, "tp_stride", 1)
+    if stride == 1:
+        return tensor
+    if getattr(param, "tp_split_dim", None) != 0 or tensor.shape[0] % stride:
+        raise ParallelError(
+            f"parameter {name}: tp_stride = {stride} needs tp_split_dim = 0 and a first "
+            f"dimension ({tensor.shape[0]}) divisible by the stride"
+        )
+    # [stride * n_local, ...] -> [stride, n_local, ...]; TP splits dim 1
+    return tensor.view(stride, tensor.shape[0] // stride, *tensor.shape[1:])
+
+
+def box(global_tensor: torch.Tensor, local_shape: torch.Size, global_offset: tuple[int, ...]) -> torch.Tensor:
+    """The slice of ``global_tensor`` that a rank with this shape and offset holds."""
+    index = tuple(slice(o, o + n) for o, n in zip(global_offset, local_shape))
+    return global_tensor[index]
+
+
+def load_global_state(model: nn.Module, topology, state: dict[str, torch.Tensor]) -> None:
+    """Copy each rank's box of full global tensors (e.g. from an HF converter) into ``model``.
+
+    Every parameter must be present with its global shape; extra names are refused too, so a
+    mismatch between a converter and the model's layout cannot pass silently."""
+    layout = global_layout(model, topology)
+    missing = sorted(set(layout) - set(state))
+    unexpected = sorted(set(state) - set(layout))
+    if missing or unexpected:
+        raise ParallelError(
+            f"state does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            " (was it converted for another model config?)"
+        )
+    with torch.no_grad():
+        for name, (local, global_shape, global_offset) in layout.items():
+            full = state[name]
+            if tuple(full.shape) != global_shape:
+                raise ParallelError(
+                    f"{name}: state has shape {tuple(full.shape)}, the model expects {global_shape}"
+                )
+            local.copy_(box(full, local.shape, global_offset))
+
+
+def gather_global_state(model: nn.Module, topology, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """The full global tensors of ``model``'s parameters (or, with ``grads``, of their
+    gradients), assembled from every TP rank: a collective over the TP group; for a single
+    process, a copy. Used by tests and exporters."""
+    import torch.distributed as dist  # noqa: PLC0415 (only needed with a TP group)
+
+    group = topology.tp_group
+    state = {}
+    for global_name, name, param, global_shape, _ in _entries(model, topology):
+        source = param.grad if grads else param.data
+        if source is None:
+            raise ParallelError(f"parameter {name} has no gradient; run backward first")
+        local = _global_view(name, param, source.detach())
+        if group is None or tuple(local.shape) == global_shape:
+            state[global_name] = local.clone()
+            continue
+        pieces = [torch.empty_like(local) for _ in range(topology.tp)]
+        dist.all_gather(pieces, local.contiguous(), group=group)
+        state[global_name] = torch.cat(pieces, dim=_split_dim(param))
+    return state
