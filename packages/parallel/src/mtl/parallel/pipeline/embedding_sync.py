@@ -1,0 +1,47 @@
+"""Keep the word embedding (first stage) and the tied output weight (last stage) equal.
+
+With pp > 1 the two copies of a tied weight live on different ranks. Both start equal; summing
+their gradients over the ``embedding`` group (first and last stage of each pipeline) gives
+both the full gradient of the shared weight, so identical optimizer steps keep them equal.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def shared_embedding_params(model_chunks: list[nn.Module]) -> list[nn.Parameter]:
+    """Parameters flagged ``param.shared_embedding = True``, in chunk then registration order."""
+    return [p for chunk in model_chunks for p in chunk.parameters() if getattr(p, "shared_embedding", False)]
+
+
+def allreduce_shared_embedding_grads(model_chunks: list[nn.Module], topology) -> None:
+    """Sum the gradients of flagged parameters over ``topology.group("embedding")``.
+
+    A no-op with pp = 1 (the weight is one tensor) and on ranks outside the group. The
+    first and last stage must flag matching parameters in the same order. A data-parallel
+    wrapper's ``main_grad`` is reduced when present, else ``.grad``; a flagged parameter that
+    received no gradient takes part with zeros."""
+    group = topology.group("embedding")
+    if topology.pp == 1 or group is None:
+        return
+    params = shared_embedding_params(model_chunks)
+    if not params:
+        return
+    grads = []
+    for param in params:
+        grad = getattr(param, "main_grad", None)
+        if grad is None:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grad = param.grad
+        grads.append(grad)
+    # One all-reduce for all of them: [sum of numel] flat buffer, then copied back.
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
