@@ -1,0 +1,227 @@
+"""Data parallelism with bucketed gradient reduction overlapped with backward.
+
+    model = DataParallel(module, topology, bucket_size_mb=40.0)
+    model.zero_grad()
+    with model.no_sync():             # micro-batches 1..n-1: accumulate locally, no traffic
+        loss_fn(model(x0)).backward()
+    loss_fn(model(x1)).backward()     # last micro-batch: buckets reduce as they fill
+    model.finish_grad_sync()          # wait; param.grad now holds the dp x cp average
+
+Gradients are averaged over ``topology.group("dp_cp")``: context-parallel ranks see
+different tokens of the same sequences, so they are data parallel for the gradient. With
+``use_distributed_optimizer`` the buckets are reduce-scattered instead of all-reduced: only
+this rank's shard of each bucket holds the average afterwards (``param.dp_owned_grad_range``
+says which flat part of each parameter), and ``mtl.parallel.optimizer.DistributedOptimizer``
+updates that shard and all-gathers the parameters.
+
+Parameters flagged ``param.shared_embedding`` are averaged over data parallel like any other;
+their sum over the pipeline's embedding group belongs to the pipeline code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mtl.core.errors import ParallelError
+from mtl.parallel.ddp.grad_buffer import Bucket, GradBuffer
+from mtl.parallel.topology import Topology
+
+# torch 2.13 renamed the flat collectives; the old names still exist (with a warning) and are
+# the only ones on older releases. Both take (output, input, ..., group, async_op).
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class DataParallel(nn.Module):
+    def __init__(
+        self,
+        module: nn.Module,
+        topology: Topology,
+        *,
+        bucket_size_mb: float = 40.0,
+        overlap_grad_reduce: bool = True,
+        use_distributed_optimizer: bool = False,
+    ) -> None:
+        super().__init__()
+        if not bucket_size_mb > 0:
+            raise ParallelError(
+                f"DataParallel bucket_size_mb = {bucket_size_mb!r} must be > 0 (parallel.bucket_size_mb; "
+                "40 is a good default, smaller buckets start communication earlier)"
+            )
+        self.module = module
+        self.topology = topology
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.group = topology.group("dp_cp")
+        self.group_size = dist.get_world_size(self.group) if self.group is not None else 1
+        self.group_rank = dist.get_rank(self.group) if self.group is not None else 0
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ParallelError(f"DataParallel got a {type(module).__name__} with no trainable parameters")
+        by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
+        for name, param in named:
+            by_dtype.setdefault(param.dtype, []).append((name, param))
+        self.buffers_by_dtype: list[GradBuffer] = []
+        for dtype, params in by_dtype.items():
+            element_size = torch.empty((), dtype=dtype).element_size()
+            self.buffers_by_dtype.append(
+                GradBuffer(
+                    params,
+                    bucket_size_numel=max(1, int(bucket_size_mb * 2**20 / element_size)),
+                    num_shards=self.group_size,
+                    with_param_buffer=use_distributed_optimizer,
+                )
+            )
+        # One launch order for every rank (NCCL needs collectives in the same order everywhere).
+        self.buckets: list[Bucket] = [b for buf in self.buffers_by_dtype for b in buf.buckets]
+        self._owner = {id(p): (buf, buf.slot_of[id(p)]) for buf in self.buffers_by_dtype for _, p in named
+                       if id(p) in buf.slot_of}
+        if use_distributed_optimizer:
+            for buf in self.buffers_by_dtype:
+                for slot in buf.slots:
+                    slot.param.dp_owned_grad_range = (0, 0)
+                for slot, first, last in buf.owned_ranges(self.group_rank):
+                    slot.param.dp_owned_grad_range = (first, last)
+
+        self._sync_enabled = True  # False inside no_sync()
+        self._synced = False  # finish_grad_sync() done since the last backward / zero_grad
+        self._next_launch = 0  # index into self.buckets of the next collective to start
+        self.num_collectives_launched = 0  # since zero_grad(); tests read it to see overlap
+        self._hooks = [
+            param.register_post_accumulate_grad_hook(self._on_grad_accumulated) for _, param in named
+        ]
+        self.broadcast_params()
+
+    # ---- module plumbing -------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)  # e.g. set_input_tensor of a pipeline stage
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if assign:
+            raise ParallelError(
+                "DataParallel.load_state_dict(assign=True) would detach parameters from the "
+                "contiguous buffers; load with assign=False (copies in place)"
+            )
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    # ---- gradient accumulation -------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate into the buffer; no communication."""
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the gradient buffers (``set_to_none`` is ignored: grads are buffer views)."""
+        for buf in self.buffers_by_dtype:
+            buf.grad_data.zero_()
+            buf.attach_grads()
+        self._reset_buckets()
+        self.num_collectives_launched = 0
+        self._synced = False
+
+    def _reset_buckets(self) -> None:
+        for bucket in self.buckets:
+            bucket.reset()
+        self._next_launch = 0
+
+    def _on_grad_accumulated(self, param: nn.Parameter) -> None:
+        buf, slot = self._owner[id(param)]
+        if not buf.grad_is_attached(slot):
+            raise ParallelError(
+                f"gradient of '{slot.name}' no longer lives in the DataParallel buffer (something set "
+                "param.grad to None or a new tensor, e.g. module.zero_grad() or "
+                "optimizer.zero_grad(set_to_none=True)); zero gradients with DataParallel.zero_grad()"
+            )
+        self._synced = False
+        if not (self._sync_enabled and self.overlap_grad_reduce):
+            return
+        bucket = buf.buckets[slot.bucket_index]
+        if id(param) in bucket.ready:
+            raise ParallelError(
+                f"gradient of '{slot.name}' arrived twice before finish_grad_sync(); run every "
+                "micro-batch but the last inside model.no_sync(), and call finish_grad_sync() once per step"
+            )
+        bucket.ready.add(id(param))
+        # Start buckets strictly in order so every rank issues the same collective sequence.
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].all_ready:
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+
+    # ---- communication ---------------------------------------------------------------------
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.launched = True
+        if self.group is None:
+            return
+        self.num_collectives_launched += 1
+        # Pre-divide so the SUM collective yields the mean (gloo has no AVG).
+        bucket.grad_view.div_(self.group_size)
+        if self.use_distributed_optimizer:
+            lo, hi = bucket.shard_range(self.group_rank)
+            bucket.handle = _reduce_scatter(bucket.grad_view[lo:hi], bucket.grad_view, group=self.group, async_op=True)
+        else:
+            bucket.handle = dist.all_reduce(bucket.grad_view, group=self.group, async_op=True)
+
+    def finish_grad_sync(self) -> None:
+        """Wait for every bucket's collective (launching those not started yet). Idempotent
+        until the next backward."""
+        if not self._sync_enabled:
+            raise ParallelError("finish_grad_sync() was called inside model.no_sync(); call it after the last micro-batch")
+        if self._synced:
+            return
+        for bucket in self.buckets:
+            if not bucket.launched:  # overlap off, or parameters that got no gradient
+                self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+        self._reset_buckets()
+        self._synced = True
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """All-gather every bucket's updated parameter shard (distributed optimizer only)."""
+        if not self.use_distributed_optimizer:
+            raise ParallelError("gather_params() needs DataParallel(use_distributed_optimizer=True)")
+        if self.group is None:
+            return
+        handles = []
+        for bucket in self.buckets:
+            lo, hi = bucket.shard_range(self.group_rank)
+            handles.append(_all_gather(bucket.param_view, bucket.param_view[lo:hi], group=self.group, async_op=True))
+        for handle in handles:
+            handle.wait()
+
+    @torch.no_grad()
+    def broadcast_params(self) -> None:
+        """Copy the parameters of data-parallel rank 0 to every rank of the dp x cp group."""
+        if self.group is None:
+            return
+        src = self.topology.group_ranks["dp_cp"][0]
+        for buf in self.buffers_by_dtype:
+            if buf.param_data is not None:
+                dist.broadcast(buf.param_data, src=src, group=self.group)
+            else:
+                for slot in buf.slots:
+                    dist.broadcast(slot.param.data, src=src, group=self.group)
