@@ -1,0 +1,137 @@
+"""``load``: fill a template state with the slices it asks for, from any saved layout.
+
+Each ``ShardedTensor`` of the template names a global key, offset and local shape; load
+reads exactly that box of the stored array, whatever sharding wrote it, so a checkpoint
+saved at tp=2 loads at tp=1 or tp=4: resharding is a load. Load is not collective: every
+rank reads only what it needs.
+
+With ``verify=True`` (default) load reads every stored shard that overlaps the box, checks
+its sha256 against ``metadata.json`` and cuts the box out of them; with ``verify=False`` it
+reads the box alone.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from mtl.ckpt import directory, storage
+from mtl.ckpt.directory import latest_iteration, list_keys, read_manifest, read_metadata
+from mtl.ckpt.sharded import ShardedTensor, flatten_state, merge_common
+from mtl.core.errors import CheckpointError
+
+__all__ = ["load", "latest_iteration", "read_metadata", "list_keys"]
+
+
+def _overlap(a_off: list, a_shape: list, b_off: tuple, b_shape: tuple) -> tuple | None:
+    """The intersection of two boxes as (start, stop) per dim, or None when they miss."""
+    bounds = []
+    for ao, asz, bo, bsz in zip(a_off, a_shape, b_off, b_shape):
+        start, stop = max(ao, bo), min(ao + asz, bo + bsz)
+        if start >= stop:
+            return None
+        bounds.append((start, stop))
+    return tuple(bounds)
+
+
+class _VerifiedReader:
+    """Reads whole stored shards once each, checks their checksums, cuts boxes out of them."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[str, int], np.ndarray] = {}
+
+    def shard(self, array: Any, key: str, index: int, shard: dict[str, Any]) -> np.ndarray:
+        if (key, index) not in self._cache:
+            data = storage.read_region(array, tuple(shard["offset"]), tuple(shard["shape"]), key)
+            if storage.checksum(data) != shard["sha256"]:
+                raise CheckpointError(
+                    f"tensor '{key}' shard at offset {shard['offset']} shape {shard['shape']} fails its "
+                    "checksum: the array data is corrupt or missing — load another iteration"
+                )
+            self._cache[(key, index)] = data
+        return self._cache[(key, index)]
+
+    def read_box(self, array: Any, key: str, entry: dict[str, Any], offset: tuple, shape: tuple) -> np.ndarray:
+        out = np.empty(shape, dtype=np.dtype(entry["storage_dtype"]))
+        if not shape:  # a 0-d tensor is one shard
+            out[()] = self.shard(array, key, 0, entry["shards"][0])
+            return out
+        filled = 0
+        for index, shard in enumerate(entry["shards"]):
+            bounds = _overlap(shard["offset"], shard["shape"], offset, shape)
+            if bounds is None:
+                continue
+            data = self.shard(array, key, index, shard)
+            src = tuple(slice(lo - so, hi - so) for (lo, hi), so in zip(bounds, shard["offset"]))
+            dst = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(bounds, offset))
+            out[dst] = data[src]
+            filled += int(np.prod([hi - lo for lo, hi in bounds]))
+        if filled != out.size:
+            raise CheckpointError(
+                f"tensor '{key}': the stored shards cover {filled} of the {out.size} elements asked for at "
+                f"offset {offset}; metadata.json is inconsistent — the checkpoint is corrupt"
+            )
+        return out
+
+
+def _check_fits(key: str, entry: dict[str, Any], target: ShardedTensor, ckpt_path: str) -> None:
+    stored_shape = tuple(entry["global_shape"])
+    if stored_shape != target.global_shape:
+        raise CheckpointError(
+            f"tensor '{key}' has global shape {stored_shape} in {ckpt_path} but the model asks for "
+            f"{target.global_shape}: a checkpoint from a different model shape (check hidden size, "
+            "layers, vocab padding)"
+        )
+
+
+def load(
+    template_state: Any,
+    ckpt_dir: str,
+    iteration: int | None = None,
+    strict: bool = True,
+    verify: bool = True,
+) -> tuple[Any, dict[str, Any]]:
+    """Load ``iteration`` (default: ``latest``) of ``ckpt_dir`` into ``template_state``.
+
+    Every ``ShardedTensor``'s ``data`` is overwritten in place with its slice, cast to its
+    dtype; plain values are replaced by the saved common state. Returns ``(state,
+    metadata)``: the template structure with loaded values, and the metadata given to save.
+    ``strict=False`` skips keys the checkpoint lacks (leaving the template's values).
+    """
+    iteration = directory.resolve_iteration(ckpt_dir, iteration)
+    manifest = read_manifest(ckpt_dir, iteration)
+    ckpt_path = directory.iteration_dir(ckpt_dir, iteration)
+    stored = manifest["tensors"]
+    targets = flatten_state(template_state)
+
+    missing = [t.key for t in targets.values() if t.key not in stored]
+    if missing and strict:
+        present = sorted(stored)
+        raise CheckpointError(
+            f"tensor '{missing[0]}' (and {len(missing) - 1} more) is not in {ckpt_path}; it has "
+            f"{len(present)} tensors, e.g. {present[:5]}; load with strict=False to skip missing keys"
+        )
+    wanted = [t for t in targets.values() if t.key in stored]
+    for target in wanted:
+        _check_fits(target.key, stored[target.key], target, ckpt_path)
+
+    reader = _VerifiedReader()
+    arrays: dict[str, Any] = {}
+    for target in wanted:
+        entry = stored[target.key]
+        if target.key not in arrays:
+            arrays[target.key] = storage.open_array(os.path.join(ckpt_path, entry["path"]), target.key)
+        array = arrays[target.key]
+        if verify:
+            words = reader.read_box(array, target.key, entry, target.global_offset, target.local_shape)
+        else:
+            words = storage.read_region(array, target.global_offset, target.local_shape, target.key)
+        loaded = storage.from_storage_array(words, entry["dtype"])  # [local_shape], stored dtype
+        with torch.no_grad():
+            target.data.copy_(loaded.to(target.data.dtype))
+
+    state = merge_common(template_state, manifest["common"], strict)
+    return state, manifest["metadata"]
