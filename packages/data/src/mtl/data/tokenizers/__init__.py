@@ -1,0 +1,1 @@
+"""Tokenizers behind one protocol (``base.Tokenizer``), one file per kind."""
