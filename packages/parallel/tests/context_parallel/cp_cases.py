@@ -44,6 +44,7 @@ CASES = [
     Case(torch.float32, True, 4, 1, softmax_scale=0.5),
     Case(torch.float64, True, 4, 2),
     Case(torch.float64, False, 4, 2),
+    Case(torch.bfloat16, True, 4, 2),  # half-precision inputs, float32 accumulation
 ]
 
 

@@ -17,7 +17,8 @@ import cp_cases  # noqa: E402
 from mtl.parallel.testing import run_distributed  # noqa: E402
 
 WORLDS = {2: [(1, 2)], 4: [(1, 4), (2, 2)]}  # world size -> (tp, cp) layouts run in it
-TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-12}
+# bfloat16: the result itself is rounded to 8 mantissa bits (relative step 2**-8 ~ 4e-3).
+TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-12, torch.bfloat16: 2e-2}
 
 # Hand-written load-balanced layouts for s = 16: rank r holds chunks r and 2cp-1-r.
 EXPECTED_POSITIONS = {

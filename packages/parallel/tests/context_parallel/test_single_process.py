@@ -1,0 +1,115 @@
+"""Context-parallel pieces that need no process group: the cp == 1 path, the block maths, the
+mask plan of every block pair, the shard arithmetic and the input checks."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import cp_cases  # noqa: E402
+from mtl.core.errors import ParallelError  # noqa: E402
+from mtl.parallel.context_parallel import (  # noqa: E402
+    context_parallel_attention,
+    context_parallel_position_ids,
+    gather_from_context_parallel,
+    split_for_context_parallel,
+)
+from mtl.parallel.context_parallel.block_attention import block_forward, merge_partial  # noqa: E402
+from mtl.parallel.context_parallel.ring_attention import _block_plan  # noqa: E402
+from mtl.parallel.topology import Topology  # noqa: E402
+
+
+@pytest.mark.parametrize("case", cp_cases.CASES, ids=lambda c: c.name)
+def test_cp1_matches_reference(case):
+    inputs = cp_cases.make_inputs(case)
+    q, k, v = (inputs[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    out = context_parallel_attention(
+        q, k, v, topology=Topology.single(), causal=case.causal, softmax_scale=case.softmax_scale
+    )
+    out.backward(inputs["dout"])
+    tol = {torch.float32: 1e-6, torch.float64: 1e-12, torch.bfloat16: 2e-2}[case.dtype]
+    reference = cp_cases.reference_attention(case, inputs)
+    for name, got in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        torch.testing.assert_close(got.detach().double(), reference[name], atol=tol, rtol=tol, msg=name)
+
+
+def test_merging_key_blocks_equals_softmax_over_all_keys():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 4, 8, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, 10, 2, 8, generator=gen, dtype=torch.float64) * 4  # large scores: stability
+    v = torch.randn(2, 10, 2, 8, generator=gen, dtype=torch.float64)
+    full_out, full_lse = block_forward(q, k, v, 0.5, causal=False)
+    out = torch.zeros_like(full_out)
+    lse = torch.full_like(full_lse, float("-inf"))
+    for keys in (slice(0, 3), slice(3, 7), slice(7, 10)):
+        out, lse = merge_partial(out, lse, *block_forward(q, k[:, keys], v[:, keys], 0.5, causal=False))
+    torch.testing.assert_close(out, full_out, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse, full_lse, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_block_plan_covers_exactly_the_causal_pairs_and_balances_work(cp):
+    chunk = 3
+    seq = 2 * cp * chunk
+    positions = [context_parallel_position_ids(seq, Topology(cp=cp, rank=r)) for r in range(cp)]
+    work = []
+    for r in range(cp):
+        covered = torch.zeros(seq, seq, dtype=torch.bool)  # [query position, key position]
+        for j in range(cp):
+            rows, keys, tri = _block_plan(r, j, chunk, causal=True)
+            q_pos, k_pos = positions[r][rows], positions[j][keys]
+            pairs = torch.ones(len(q_pos), len(k_pos), dtype=torch.bool)
+            if tri:
+                pairs = pairs.tril()
+            covered[q_pos.unsqueeze(1), k_pos.unsqueeze(0)] |= pairs
+        expected = torch.zeros(seq, seq, dtype=torch.bool)
+        mine = positions[r]
+        expected[mine] = torch.ones(seq, seq, dtype=torch.bool).tril()[mine]
+        assert torch.equal(covered, expected), f"cp={cp} rank {r}"
+        work.append(int(covered.sum()))
+    assert len(set(work)) == 1, f"unbalanced causal work per rank: {work}"
+
+
+def test_split_layout_and_position_ids_without_processes():
+    full = torch.arange(8).reshape(1, 8)
+    assert split_for_context_parallel(full, 1, Topology(cp=2, rank=0)).tolist() == [[0, 1, 6, 7]]
+    assert split_for_context_parallel(full, -1, Topology(cp=2, rank=1)).tolist() == [[2, 3, 4, 5]]
+    assert context_parallel_position_ids(8, Topology(cp=2, rank=1)).tolist() == [2, 3, 4, 5]
+    assert split_for_context_parallel(full, 1, Topology.single()) is full
+    assert torch.equal(gather_from_context_parallel(full, 1, Topology.single()), full)
+
+
+def test_bad_sequence_lengths_raise():
+    with pytest.raises(ParallelError, match="sequence length 10 must be divisible by 2 \\* cp = 4"):
+        split_for_context_parallel(torch.zeros(1, 10), 1, Topology(cp=2, rank=0))
+    with pytest.raises(ParallelError, match="divisible by 2 \\* cp = 8"):
+        context_parallel_position_ids(12, Topology(cp=4, rank=0))
+    with pytest.raises(ParallelError, match="seq_dim 3 is out of range"):
+        split_for_context_parallel(torch.zeros(1, 8), 3, Topology(cp=2, rank=0))
+
+
+@pytest.mark.parametrize(
+    "q_shape, kv_shape, message",
+    [
+        ((1, 8, 3, 4), (1, 8, 2, 4), "3 query heads are not a multiple of 2"),
+        ((1, 8, 4, 4), (1, 6, 2, 4), "disagree on batch, local sequence length or head_dim"),
+        ((8, 4, 4), (8, 2, 4), "expected 4 dims"),
+    ],
+)
+def test_bad_attention_inputs_raise(q_shape, kv_shape, message):
+    q, kv = torch.zeros(q_shape), torch.zeros(kv_shape)
+    with pytest.raises(ParallelError, match=message):
+        context_parallel_attention(q, kv, kv, topology=Topology.single())
+
+
+def test_bad_dtype_and_dropout_raise():
+    q = torch.zeros(1, 8, 2, 4)
+    with pytest.raises(ParallelError, match="dtypes differ"):
+        context_parallel_attention(q, q.double(), q.double(), topology=Topology.single())
+    with pytest.raises(ParallelError, match="dropout_p 1.5 must be in"):
+        context_parallel_attention(q, q, q, topology=Topology.single(), dropout_p=1.5)
