@@ -2,14 +2,19 @@
 
     results = run_distributed(fn, world_size=2, args=(...))   # fn(*args) on every rank
 
-``fn`` must be importable (module level). Each rank's return value comes back, in rank order;
+``fn`` must be defined at module level. It travels to the spawned processes by reference
+(module name, file, qualified name), so test modules that pytest imported under a name
+that is not on ``sys.path`` (``--import-mode=importlib``) work too. Each rank's return value comes back, in rank order;
 an exception on any rank fails the call with that rank's traceback.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import socket
+import sys
 import tempfile
 import traceback
 from typing import Any, Callable
@@ -25,7 +30,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+def _function_ref(fn: Callable) -> tuple[str, str | None, str]:
+    module = sys.modules.get(fn.__module__)
+    return fn.__module__, getattr(module, "__file__", None), fn.__qualname__
+
+
+def _resolve_function(ref: tuple[str, str | None, str]) -> Callable:
+    """Import the module of ``fn`` by name, or from its file when the name is not importable."""
+    module_name, file, qualname = ref
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        if file is None:
+            raise
+        spec = importlib.util.spec_from_file_location(module_name, file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn_ref: tuple, args: tuple) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -36,6 +64,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
     torch.set_num_threads(1)  # the CI machine has 2 cores for up to 4 ranks
     result: Any
     try:
+        fn = _resolve_function(fn_ref)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = ("ok", fn(*args))
     except BaseException:  # report any failure to the parent, with the rank that raised it
@@ -50,7 +79,7 @@ def run_distributed(fn: Callable, world_size: int, args: tuple = ()) -> list[Any
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
             _worker,
-            args=(world_size, free_port(), out_dir, fn, args),
+            args=(world_size, free_port(), out_dir, _function_ref(fn), args),
             nprocs=world_size,
             join=True,
             start_method="spawn",

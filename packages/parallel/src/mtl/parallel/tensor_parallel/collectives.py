@@ -28,6 +28,20 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def all_reduce_max_(x: torch.Tensor, group) -> torch.Tensor:
+    """Element-wise maximum over the group, in place on ``x`` (a tensor the caller owns)."""
+    if group_size(group) > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return x
+
+
+def all_reduce_sum_(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum over the group, in place on ``x`` (a tensor the caller owns)."""
+    if group_size(group) > 1:
+        dist.all_reduce(x, group=group)
+    return x
+
+
 def split_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """This rank's contiguous slice of ``x`` along ``dim`` (size must divide evenly)."""
     size = group_size(group)

@@ -1,0 +1,76 @@
+"""Token embedding with the vocabulary split over tensor-parallel ranks.
+
+Rank r holds rows ``[r*V/tp, (r+1)*V/tp)`` of the ``[V, h]`` table (``V`` is the padded
+vocabulary, a multiple of tp). A rank looks up the tokens it owns, writes zeros for the
+others, and the ranks sum their results: all-reduce to ``[s, b, h]``, or with sequence
+parallelism reduce-scatter straight to ``[s/tp, b, h]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtl.parallel.tensor_parallel import mappings
+from mtl.parallel.tensor_parallel.layers import mark_tp_split
+from mtl.parallel.tensor_parallel.sharding import divide, shard_of, tp_size_and_rank
+
+
+def vocab_range(vocab_size: int, tp: int, tp_rank: int) -> tuple[int, int]:
+    """[start, end) of the vocabulary rows that ``tp_rank`` owns."""
+    per_rank = divide(vocab_size, tp, "padded vocab size")
+    return tp_rank * per_rank, (tp_rank + 1) * per_rank
+
+
+class VocabParallelEmbedding(nn.Module):
+    """tokens ``[b, s]`` (int64) -> embeddings ``[s, b, h]`` (``[s/tp, b, h]`` under SP)."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        init_std: float = 0.02,
+        topology=None,
+        sequence_parallel: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.tp, self.tp_rank, self.tp_group = tp_size_and_rank(topology)
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.vocab_start, self.vocab_end = vocab_range(num_embeddings, self.tp, self.tp_rank)
+        self.sequence_parallel = sequence_parallel and self.tp > 1
+        self.weight = nn.Parameter(
+            torch.empty(self.vocab_end - self.vocab_start, embedding_dim, dtype=params_dtype, device=device)
+        )
+        mark_tp_split(self.weight, 0)
+        self.init_std = init_std
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+
+    @torch.no_grad()
+    def load_full(self, weight: torch.Tensor) -> None:
+        """Copy this rank's rows of a global ``[V, h]`` table."""
+        self.weight.copy_(shard_of(weight, 0, self.tp, self.tp_rank))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = tokens.t()  # [b, s] -> [s, b]: activations are sequence-first
+        if self.tp == 1:
+            return F.embedding(tokens, self.weight)  # [s, b, h]
+        not_mine = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
+        local_ids = (tokens - self.vocab_start).masked_fill(not_mine, 0)
+        partial = F.embedding(local_ids, self.weight).masked_fill(not_mine.unsqueeze(-1), 0.0)  # [s, b, h]
+        if self.sequence_parallel:
+            return mappings.reduce_scatter_to_sequence_parallel(partial, self.tp_group)  # [s/tp, b, h]
+        return mappings.reduce_from_tensor_parallel(partial, self.tp_group)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim} (rows {self.vocab_start}:{self.vocab_end}), "
+            f"tp={self.tp}, sequence_parallel={self.sequence_parallel}"
+        )
