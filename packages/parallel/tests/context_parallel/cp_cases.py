@@ -19,6 +19,13 @@ from mtl.parallel.context_parallel import (
 from mtl.parallel.topology import Topology
 
 BATCH, SEQ, HEAD_DIM = 2, 16, 8
+# bfloat16: the result itself is rounded to 8 mantissa bits (relative step 2**-8 ~ 4e-3).
+TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-12, torch.bfloat16: 2e-2}
+# Hand-written load-balanced layouts for s = 16: rank r holds chunks r and 2cp-1-r.
+EXPECTED_POSITIONS = {
+    2: [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]],
+    4: [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]],
+}
 
 
 @dataclass(frozen=True)
@@ -75,18 +82,46 @@ def reference_attention(case: Case, inputs: dict[str, torch.Tensor]) -> dict[str
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def _run_case(case: Case, topology: Topology) -> dict[str, torch.Tensor]:
-    inputs = make_inputs(case)
+def assert_case_matches_reference(case: Case, layouts: list[tuple[int, int]], per_rank: list[dict]) -> None:
+    """Every rank's gathered output and gradients equal the float64 one-process reference."""
+    reference = reference_attention(case, make_inputs(case))
+    tol = TOLERANCE[case.dtype]
+    for layout in layouts:
+        for rank, results in enumerate(per_rank):
+            got = results[layout]["cases"][case.name]
+            for name, expected in reference.items():
+                assert got[name].dtype == case.dtype, (layout, rank, name)
+                torch.testing.assert_close(
+                    got[name].double(), expected, atol=tol, rtol=tol,
+                    msg=lambda m: f"(tp, cp) = {layout}, rank {rank}, {name}: {m}",
+                )
+
+
+def assert_sharding_and_refusals(layouts: list[tuple[int, int]], per_rank: list[dict]) -> None:
+    """Split/gather round trip, local shape, position ids and the dropout refusal on every rank."""
+    full = torch.arange(2 * 3 * SEQ, dtype=torch.float32).reshape(2, SEQ, 3)
+    for tp, cp in layouts:
+        for results in per_rank:
+            layout = results[(tp, cp)]
+            assert layout["local_shape"] == (2, SEQ // cp, 3)
+            assert torch.equal(layout["round_trip"], full)
+            assert layout["position_ids"].tolist() == EXPECTED_POSITIONS[cp][layout["cp_rank"]]
+            message = layout["dropout_error"]
+            assert message is not None and "model.attention_dropout = 0" in message
+
+
+def _run_case(case: Case, topology: Topology, device: str) -> dict[str, torch.Tensor]:
+    inputs = {name: t.to(device) for name, t in make_inputs(case).items()}
     q, k, v = (split_for_context_parallel(inputs[n], 1, topology).requires_grad_() for n in ("q", "k", "v"))
     out = context_parallel_attention(
         q, k, v, topology=topology, causal=case.causal, softmax_scale=case.softmax_scale
     )
     out.backward(split_for_context_parallel(inputs["dout"], 1, topology))
     gathered = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
-    return {name: gather_from_context_parallel(t, 1, topology) for name, t in gathered.items()}
+    return {name: gather_from_context_parallel(t, 1, topology).cpu() for name, t in gathered.items()}
 
 
-def worker(layouts: list[tuple[int, int]]) -> dict:
+def worker(layouts: list[tuple[int, int]], device: str = "cpu") -> dict:
     """On every rank: for each (tp, cp) layout, every case gathered to full order, plus the
     sharding checks and the dropout refusal. Returns everything for the parent to compare."""
     results: dict = {}
@@ -94,14 +129,14 @@ def worker(layouts: list[tuple[int, int]]) -> dict:
         topology = Topology.build(tp=tp, cp=cp)
         layout = {"cp_rank": topology.cp_rank, "cases": {}}
         for case in CASES:
-            layout["cases"][case.name] = _run_case(case, topology)
-        full = torch.arange(2 * 3 * SEQ, dtype=torch.float32).reshape(2, SEQ, 3)
+            layout["cases"][case.name] = _run_case(case, topology, device)
+        full = torch.arange(2 * 3 * SEQ, dtype=torch.float32, device=device).reshape(2, SEQ, 3)
         local = split_for_context_parallel(full, 1, topology)
         layout["local_shape"] = tuple(local.shape)
-        layout["round_trip"] = gather_from_context_parallel(local, -2, topology)
-        layout["position_ids"] = context_parallel_position_ids(SEQ, topology)
+        layout["round_trip"] = gather_from_context_parallel(local, -2, topology).cpu()
+        layout["position_ids"] = context_parallel_position_ids(SEQ, topology, device).cpu()
         try:
-            q = torch.zeros(1, SEQ // cp, 2, 4)
+            q = torch.zeros(1, SEQ // cp, 2, 4, device=device)
             context_parallel_attention(q, q, q, topology=topology, dropout_p=0.1)
             layout["dropout_error"] = None
         except ParallelError as err:

@@ -1,0 +1,52 @@
+"""The same equivalence as ``test_ring_attention.py`` on GPUs over NCCL (one process per GPU,
+cp=2). Skipped on machines with fewer than two CUDA devices, such as CI."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import cp_cases  # noqa: E402
+from mtl.parallel.testing import free_port  # noqa: E402
+
+LAYOUTS = [(1, 2)]
+WORLD_SIZE = 2
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.device_count() < WORLD_SIZE, reason=f"needs {WORLD_SIZE} CUDA devices for NCCL"
+)
+
+
+def _nccl_rank(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", rank=rank, world_size=WORLD_SIZE, device_id=device)
+    try:
+        torch.save(cp_cases.worker(LAYOUTS, str(device)), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def per_rank():
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_nccl_rank, args=(free_port(), out_dir), nprocs=WORLD_SIZE, start_method="spawn")
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD_SIZE)]
+
+
+@pytest.mark.parametrize("case", cp_cases.CASES, ids=lambda c: c.name)
+def test_output_and_gradients_match_full_attention_nccl(per_rank, case):
+    cp_cases.assert_case_matches_reference(case, LAYOUTS, per_rank)
+
+
+def test_split_gather_positions_and_dropout_refusal_nccl(per_rank):
+    cp_cases.assert_sharding_and_refusals(LAYOUTS, per_rank)
