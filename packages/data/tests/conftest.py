@@ -1,0 +1,86 @@
+"""Tiny real tokenizer files, trained here on the demo corpus (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+
+import pytest
+
+from mtl.data.demo_corpus import demo_document
+
+EOD = "<|endoftext|>"
+
+
+def gpt2_bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table (a fact of the vocab format)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+@pytest.fixture(scope="session")
+def corpus_texts() -> list[str]:
+    rng = random.Random(7)
+    return [demo_document(rng) for _ in range(300)]
+
+
+@pytest.fixture(scope="session")
+def bpe_dir(tmp_path_factory, corpus_texts):
+    """vocab.json + merges.txt + tokenizer.json of a 400-token byte-level BPE."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    out = tmp_path_factory.mktemp("bpe")
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(corpus_texts, vocab_size=400, min_frequency=2,
+                            special_tokens=[EOD], show_progress=False)
+    bpe.save_model(str(out))
+    bpe.save(str(out / "tokenizer.json"))
+    return out
+
+
+@pytest.fixture(scope="session")
+def spm_model(tmp_path_factory, corpus_texts):
+    import sentencepiece
+
+    out = tmp_path_factory.mktemp("spm")
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus_texts), model_prefix=str(out / "tiny"), vocab_size=150,
+        model_type="bpe", character_coverage=1.0, minloglevel=2, num_threads=1)
+    return out / "tiny.model"
+
+
+@pytest.fixture(scope="session")
+def tiktoken_file(tmp_path_factory, bpe_dir):
+    """The trained BPE rewritten as tiktoken ranks: 256 bytes, then each merge in order."""
+    to_byte = {c: b for b, c in gpt2_bytes_to_unicode().items()}
+    tokens = [bytes([b]) for b in range(256)]
+    merges = (bpe_dir / "merges.txt").read_text(encoding="utf-8").splitlines()
+    for line in merges:
+        if not line or line.startswith("#version"):
+            continue
+        left, right = line.split(" ")
+        tokens.append(bytes(to_byte[c] for c in left + right))
+    path = tmp_path_factory.mktemp("tiktoken") / "tiny.tiktoken"
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {rank}\n"
+                            for rank, t in enumerate(tokens)))
+    return path
+
+
+@pytest.fixture(scope="session")
+def byte_of_char() -> dict[str, int]:
+    """GPT-2 vocab character -> the byte it stands for."""
+    return {c: b for b, c in gpt2_bytes_to_unicode().items()}
+
+
+@pytest.fixture(scope="session")
+def bpe_vocab(bpe_dir) -> dict[str, int]:
+    return json.loads((bpe_dir / "vocab.json").read_text(encoding="utf-8"))
