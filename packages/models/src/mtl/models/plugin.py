@@ -1,0 +1,21 @@
+"""Registers the ``gpt`` model family through the ``mtl_model_families`` hook
+(entry point ``gpt_family``)."""
+
+from __future__ import annotations
+
+from mtl.core.hookspecs import hookimpl
+from mtl.core.registrations import ModelFamily
+from mtl.models.convert_hf import HFConverter
+from mtl.models.gpt import build_gpt
+
+GPT_FAMILY = ModelFamily(
+    name="gpt",
+    build=build_gpt,
+    converters={"hf": HFConverter()},
+    description="GPT-2 and Llama style decoders (RoPE/learned positions, RMSNorm/LayerNorm, SwiGLU/GELU, GQA)",
+)
+
+
+@hookimpl
+def mtl_model_families() -> list[ModelFamily]:
+    return [GPT_FAMILY]
