@@ -65,7 +65,9 @@ class CoreAttention(nn.Module):
         if self.topology is not None and self.topology.cp > 1:
             from mtl.parallel.context_parallel import context_parallel_attention  # written separately
 
-            return context_parallel_attention(q, k, v, topology=self.topology, causal=self.causal, dropout_p=dropout_p)
+            return context_parallel_attention(
+                q, k, v, topology=self.topology, causal=self.causal, dropout_p=dropout_p, softmax_scale=self.softmax_scale
+            )
         if dropout_p > 0.0 and self._tp_split and get_rng_tracker().is_initialized():
             with get_rng_tracker().fork():
                 return self._attend(q, k, v, dropout_p)
