@@ -21,9 +21,9 @@ from mtl.data.index_cache import load_or_build
 from mtl.data.indexed_dataset import IndexedDataset
 
 SPLITS = ("train", "valid", "test")
-# Each component gets a little more than its share so the greedy interleaving never runs
-# past its end (Megatron uses the same 0.5% margin).
-OVERSAMPLE = 1.005
+# Each component is built with a little more than its share of samples so the greedy
+# interleaving never runs past its end (Megatron-Core's default surplus).
+SURPLUS = 0.005
 
 
 def parse_data_paths(paths: list) -> list[tuple[float, str]]:
@@ -64,27 +64,34 @@ def parse_split(split: str) -> list[float]:
 
 
 def split_document_ranges(num_documents: int, shares: list[float]) -> list[tuple[int, int]]:
-    """Contiguous [first, end) document ranges per split; rounding error goes to the last."""
-    bounds = [0]
-    for share in shares:
-        bounds.append(bounds[-1] + int(round(share * num_documents)))
-    excess = bounds[-1] - num_documents
-    bounds = [bounds[0]] + [max(0, b - excess) for b in bounds[1:]]
-    return [(bounds[i], bounds[i + 1]) for i in range(len(shares))]
+    """Contiguous [first, end) document ranges per split, as Megatron-Core rounds them."""
+    bounds = np.concatenate([[0.0], np.cumsum(shares)])
+    bounds[-1] = 1.0  # no float drift past the last document
+    return [(int(round(bounds[i] * num_documents)), int(round(bounds[i + 1] * num_documents)))
+            for i in range(len(shares))]
 
 
 def build_blending_indices(weights: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(dataset of sample i, its index within that dataset), by greedy error minimisation."""
-    dataset_index = np.zeros(size, dtype=np.int16)
-    dataset_sample_index = np.zeros(size, dtype=np.int64)
-    counts = np.zeros(len(weights), dtype=np.int64)
+    """(dataset of sample i, its index within that dataset), by greedy error minimisation.
+
+    Plain Python floats: for the handful of datasets of a blend this loop is several times
+    faster than numpy's per-call overhead, and the result is cached on disk."""
+    weight_list = [float(w) for w in weights]
+    counts = [0] * len(weight_list)
+    chosen_per_sample = [0] * size
+    index_within = [0] * size
     for i in range(size):
-        # target minus realised count; the first maximum wins ties, as in Megatron
-        chosen = int(np.argmax(weights * max(i, 1) - counts))
-        dataset_index[i] = chosen
-        dataset_sample_index[i] = counts[chosen]
-        counts[chosen] += 1
-    return dataset_index, dataset_sample_index
+        scale = float(max(i, 1))
+        # target minus realised count; the first maximum wins ties, as in Megatron-Core
+        best, best_error = 0, weight_list[0] * scale - counts[0]
+        for d in range(1, len(weight_list)):
+            error = weight_list[d] * scale - counts[d]
+            if error > best_error:
+                best, best_error = d, error
+        chosen_per_sample[i] = best
+        index_within[i] = counts[best]
+        counts[best] += 1
+    return np.asarray(chosen_per_sample, dtype=np.int16), np.asarray(index_within, dtype=np.int64)
 
 
 class BlendedDataset(torch.utils.data.Dataset):
@@ -138,7 +145,9 @@ def build_gpt_dataset(config, tokenizer, split: str, num_samples: int | None = N
     if num_samples is None:
         one_epoch = [len(component(prefix, None)) for _, prefix in weighted]
         num_samples = int(sum(one_epoch))
-    datasets = [component(prefix, int(math.ceil(weight * num_samples * OVERSAMPLE)) + 1)
+    # greedy interleaving takes at most ceil(weight * N) + 1 samples from a component
+    datasets = [component(prefix, max(int(math.ceil(math.ceil(num_samples * weight) * (1 + SURPLUS))),
+                                       int(math.ceil(num_samples * weight)) + 1))
                 for weight, prefix in weighted]
     description = {"prefixes": [os.path.abspath(p) for _, p in weighted], "split": split,
                    "data_split": data.split, "seq_length": seq_length, "seed": seed}

@@ -37,13 +37,27 @@ def epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int | Non
 
 def build_gpt_indices(sequence_lengths: np.ndarray, sequence_ids: np.ndarray, seq_length: int,
                       num_samples: int | None, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(document_index, sample_index, shuffle_index) for the sequences ``sequence_ids``."""
+    """(document_index, sample_index, shuffle_index) for the sequences ``sequence_ids``.
+
+    Same arrays as Megatron-Core's GPTDataset for the same seed: when the last epoch is needed
+    for fewer than 80% of its samples it is shuffled apart from the others, so that the
+    partial epoch's documents are not spread thinly over the whole run."""
     rng = np.random.RandomState(seed)
     tokens_per_epoch = int(sequence_lengths[sequence_ids].sum(dtype=np.int64))
     num_epochs = epochs_needed(tokens_per_epoch, seq_length, num_samples)
+    samples_before_final_epoch = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+    separate_final_epoch = num_epochs > 1 and (
+        num_samples - samples_before_final_epoch < int(0.8 * ((tokens_per_epoch - 1) // seq_length)))
 
-    document_index = np.tile(sequence_ids.astype(np.int64), num_epochs)  # [epochs * D]
-    rng.shuffle(document_index)
+    def shuffled(array: np.ndarray) -> np.ndarray:
+        rng.shuffle(array)
+        return array
+
+    ids = sequence_ids.astype(np.int64)
+    if separate_final_epoch:
+        document_index = np.concatenate([shuffled(np.tile(ids, num_epochs - 1)), shuffled(ids.copy())])
+    else:
+        document_index = shuffled(np.tile(ids, num_epochs))  # [epochs * D]
 
     total_samples = (num_epochs * tokens_per_epoch - 1) // seq_length
     lengths_in_order = sequence_lengths[document_index].astype(np.int64)
@@ -55,8 +69,11 @@ def build_gpt_indices(sequence_lengths: np.ndarray, sequence_ids: np.ndarray, se
     offset = starts - (document_ends[position] - lengths_in_order[position])
     sample_index = np.stack([position, offset], axis=1)  # [N + 1, 2]
 
-    shuffle_index = np.arange(total_samples, dtype=np.int64)
-    rng.shuffle(shuffle_index)
+    first_block = samples_before_final_epoch if separate_final_epoch else total_samples
+    shuffle_index = shuffled(np.arange(first_block, dtype=np.int64))
+    if first_block < total_samples:
+        shuffle_index = np.concatenate(
+            [shuffle_index, shuffled(np.arange(first_block, total_samples, dtype=np.int64))])
     return document_index, sample_index, shuffle_index
 
 
