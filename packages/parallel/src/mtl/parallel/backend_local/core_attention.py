@@ -68,7 +68,9 @@ class CoreAttention(nn.Module):
             return context_parallel_attention(
                 q, k, v, topology=self.topology, causal=self.causal, dropout_p=dropout_p, softmax_scale=self.softmax_scale
             )
-        if dropout_p > 0.0 and self._tp_split and get_rng_tracker().is_initialized():
+        if dropout_p > 0.0 and self._tp_split:
+            # fork() raises, naming seed_everything, when the stream was never seeded: silently
+            # dropping the same positions on every TP rank would correlate the heads' masks
             with get_rng_tracker().fork():
                 return self._attend(q, k, v, dropout_p)
         return self._attend(q, k, v, dropout_p)
