@@ -15,7 +15,10 @@ says which flat part of each parameter), and ``mtl.parallel.optimizer.Distribute
 updates that shard and all-gathers the parameters.
 
 Parameters flagged ``param.shared_embedding`` are averaged over data parallel like any other;
-their sum over the pipeline's embedding group belongs to the pipeline code.
+their sum over the pipeline's embedding group belongs to the pipeline code. That sum adds
+whole gradients of two differently laid-out stages, so a bucket holding such a parameter is
+all-reduced even with the distributed optimizer (every element valid, not just this rank's
+shard).
 """
 
 from __future__ import annotations
@@ -177,7 +180,7 @@ class DataParallel(nn.Module):
         self.num_collectives_launched += 1
         # Pre-divide so the SUM collective yields the mean (gloo has no AVG).
         bucket.grad_view.div_(self.group_size)
-        if self.use_distributed_optimizer:
+        if self.use_distributed_optimizer and not bucket.has_shared_embedding:
             lo, hi = bucket.shard_range(self.group_rank)
             bucket.handle = _reduce_scatter(bucket.grad_view[lo:hi], bucket.grad_view, group=self.group, async_op=True)
         else:

@@ -64,6 +64,10 @@ class Bucket:
         return shard_rank * size, (shard_rank + 1) * size
 
     @property
+    def has_shared_embedding(self) -> bool:
+        return any(getattr(s.param, "shared_embedding", False) for s in self.slots)
+
+    @property
     def all_ready(self) -> bool:
         return len(self.ready) == len(self.slots)
 

@@ -1,0 +1,64 @@
+"""ZeRO-1: AdamW state and update for this rank's shard of the parameters only.
+
+``DataParallel(use_distributed_optimizer=True)`` lays parameters and gradients out in flat
+buffers whose buckets are padded to a multiple of the dp x cp size N, and reduce-scatters
+each bucket, so rank r holds the averaged gradient of the r-th 1/N of every bucket. Here:
+
+    piece (this rank's part of one parameter) = param_data[a:b]  (a view: updating it
+                                                updates the parameter in place)
+    piece.grad                                = grad_data[a:b]
+    AdamW(pieces)                               state: 2 x (1/N of the model) per rank
+    all-gather each bucket's param shard        every rank has full parameters again
+
+The weight-decay rule is decided per whole parameter (``param_groups.py``), as the
+replicated path does, so both give the same update.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from mtl.core.errors import ParallelError
+from mtl.parallel.ddp import DataParallel
+from mtl.parallel.optimizer.adamw_shell import AdamWShell, StateEntry
+from mtl.parallel.topology import Topology
+
+
+def _shard_entries(chunks: list[DataParallel]) -> list[StateEntry]:
+    entries: list[StateEntry] = []
+    for c, chunk in enumerate(chunks):
+        for buf in chunk.buffers_by_dtype:
+            for slot, first, last in buf.owned_ranges(chunk.group_rank):
+                piece = nn.Parameter(buf.param_data[slot.start + first : slot.start + last])
+                piece.grad = buf.grad_data[slot.start + first : slot.start + last]
+                name = slot.name if len(chunks) == 1 else f"chunk{c}.{slot.name}"
+                entries.append(StateEntry(piece, slot.param, name, first))
+    return entries
+
+
+class DistributedOptimizer(AdamWShell):
+    is_dp_sharded = True
+
+    def __init__(self, ddp_model: DataParallel | list[DataParallel], topology: Topology, *, lr: float,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        chunks = list(ddp_model) if isinstance(ddp_model, (list, tuple)) else [ddp_model]
+        for i, chunk in enumerate(chunks):
+            if not isinstance(chunk, DataParallel) or not chunk.use_distributed_optimizer:
+                raise ParallelError(
+                    f"DistributedOptimizer needs every model chunk wrapped as DataParallel(..., "
+                    f"use_distributed_optimizer=True); chunk {i} is a {type(chunk).__name__}"
+                    + ("" if not isinstance(chunk, DataParallel) else " without it")
+                )
+        self.chunks = chunks
+        super().__init__(_shard_entries(chunks), topology, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def step(self) -> None:
+        for chunk in self.chunks:
+            chunk.finish_grad_sync()  # a no-op when the training loop already did it
+        self.inner.step()
+        for chunk in self.chunks:
+            chunk.gather_params()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for chunk in self.chunks:
+            chunk.zero_grad()

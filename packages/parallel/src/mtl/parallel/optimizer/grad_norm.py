@@ -1,0 +1,105 @@
+"""The global gradient L2 norm over every parallel group, clipping, and a NaN-loss check.
+
+Each element of the model's gradient is counted exactly once:
+
+- a TP-split parameter (``param.tp_split_dim`` set) holds a different slice on each TP rank:
+  its squares are summed over the TP group;
+- a replicated parameter is the same on every TP rank: only ``tp_rank == 0`` counts it;
+- pipeline stages hold different layers: summed over the pipeline group; the last stage's
+  copy of a tied embedding (``param.shared_embedding`` on a stage other than the first)
+  repeats the first stage's and is not counted;
+- with the distributed optimizer each dp x cp rank holds the reduced gradient of its own
+  flat range of each parameter only (``param.dp_owned_grad_range``): that range is counted
+  and the squares are summed over ``dp_cp`` too. Without it the gradients are identical
+  across dp x cp and counted as they are.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mtl.core.errors import MtlError, ParallelError
+from mtl.parallel.topology import Topology
+
+# As torch.nn.utils.clip_grad_norm_: keeps the coefficient finite for a zero norm.
+CLIP_EPS = 1e-6
+
+
+def _counted_grad(param: nn.Parameter, topology: Topology, grads_are_dp_sharded: bool) -> torch.Tensor | None:
+    """The part of ``param.grad`` this rank contributes to the norm (None: nothing)."""
+    if getattr(param, "tp_split_dim", None) is None and topology.tp_rank != 0:
+        return None
+    if getattr(param, "shared_embedding", False) and not topology.is_first_stage:
+        return None
+    if not grads_are_dp_sharded:
+        return param.grad
+    owned = getattr(param, "dp_owned_grad_range", None)
+    if owned is None:
+        raise ParallelError(
+            f"clip_grad_norm(grads_are_dp_sharded=True) got a parameter of shape {tuple(param.shape)} "
+            "that no DataParallel(use_distributed_optimizer=True) shards; wrap the model with the "
+            "distributed optimizer enabled or pass grads_are_dp_sharded=False"
+        )
+    first, last = owned
+    return param.grad.reshape(-1)[first:last]
+
+
+def global_grad_norm(params, topology: Topology, grads_are_dp_sharded: bool = False) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient, the same fp32 scalar on every rank."""
+    unique = list({id(p): p for p in params if p.grad is not None}.values())
+    grads = [g for g in (_counted_grad(p, topology, grads_are_dp_sharded) for p in unique) if g is not None]
+    device = unique[0].grad.device if unique else torch.device("cpu")
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    if grads:
+        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads], 2)
+        squares = torch.stack(norms).square().sum()
+    for name in ("tp_pp",) + (("dp_cp",) if grads_are_dp_sharded else ()):
+        group = topology.group(name)
+        if group is not None:
+            dist.all_reduce(squares, group=group)
+    return squares.sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm(params, max_norm: float, topology: Topology, grads_are_dp_sharded: bool = False) -> float:
+    """Scale every gradient so the global L2 norm is at most ``max_norm``; return the norm
+    before clipping.
+
+    A non-finite result (inf/NaN on any rank: the all-reduce spreads it) is the ``found_inf``
+    signal: gradients are then left as they are and the caller skips the step. Pass
+    ``max_norm = inf`` to only measure."""
+    if not max_norm > 0:
+        raise ParallelError(f"clip_grad_norm max_norm = {max_norm!r} must be > 0 (train.clip_grad; use inf to only measure)")
+    params = list({id(p): p for p in params if p.grad is not None}.values())
+    total = global_grad_norm(params, topology, grads_are_dp_sharded)
+    total_value = total.item()
+    if math.isfinite(total_value) and math.isfinite(max_norm):
+        coef = max_norm / (total_value + CLIP_EPS)
+        if coef < 1.0 and params:
+            torch._foreach_mul_([p.grad for p in params], coef)
+    return total_value
+
+
+def check_for_nan(loss: torch.Tensor | None, topology: Topology, *, raise_error: bool = True) -> bool:
+    """True if the loss is inf/NaN on any rank (the same answer everywhere); raises, naming
+    the ranks, unless ``raise_error=False``. ``loss=None`` (a stage without a loss) is fine."""
+    world = topology.world_size
+    device = loss.device if loss is not None else torch.device("cpu")
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    bad = torch.zeros(world, dtype=torch.float32, device=device)
+    if loss is not None and not torch.isfinite(loss.detach()).all():
+        bad[topology.rank] = 1.0
+    if world > 1:
+        dist.all_reduce(bad)
+    bad_ranks = bad.nonzero().flatten().tolist()
+    if bad_ranks and raise_error:
+        raise MtlError(
+            f"loss is NaN or inf on rank(s) {bad_ranks} of {world}; lower train.lr, use bf16 "
+            "instead of fp16 (or loss scaling), or check that batch's data"
+        )
+    return bool(bad_ranks)

@@ -1,0 +1,49 @@
+"""AdamW with the full optimizer state on every data-parallel rank (no ZeRO)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from mtl.parallel.ddp import DataParallel
+from mtl.parallel.optimizer.adamw_shell import AdamWShell, StateEntry
+from mtl.parallel.topology import Topology
+
+
+def _chunk_entries(chunks: list[nn.Module]) -> list[StateEntry]:
+    entries: list[StateEntry] = []
+    seen: set[int] = set()
+    for c, chunk in enumerate(chunks):
+        module = chunk.module if isinstance(chunk, DataParallel) else chunk
+        for name, param in module.named_parameters():
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                entries.append(StateEntry(param, param, name if len(chunks) == 1 else f"chunk{c}.{name}", 0))
+    return entries
+
+
+class ReplicatedOptimizer(AdamWShell):
+    """torch AdamW (fused on CUDA) over every parameter of ``chunks`` (plain modules or
+    ``DataParallel`` wrappers), with the weight-decay groups of ``param_groups.py``."""
+
+    def __init__(self, chunks: list[nn.Module], topology: Topology, *, lr: float,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        self.chunks = list(chunks)
+        super().__init__(_chunk_entries(self.chunks), topology, lr=lr, betas=betas, eps=eps,
+                         weight_decay=weight_decay)
+
+    def step(self) -> None:
+        for chunk in self.chunks:
+            if isinstance(chunk, DataParallel):
+                chunk.finish_grad_sync()  # a no-op when the training loop already did it
+        self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for chunk in self.chunks:
+            if isinstance(chunk, DataParallel):
+                chunk.zero_grad()  # grads are views of its buffer: zero in place
+            else:
+                for p in chunk.parameters():
+                    if set_to_none:
+                        p.grad = None
+                    elif p.grad is not None:
+                        p.grad.zero_()
