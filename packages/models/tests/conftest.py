@@ -1,3 +1,5 @@
+"""Fixtures: tiny resolved configs of the two model styles, the local backend, one process."""
+
 import pytest
 import torch
 
@@ -5,18 +7,42 @@ from mtl.core.config import RunConfig
 from mtl.core.plugins import registry
 from mtl.parallel.topology import Topology
 
+GPT2_STYLE = dict(
+    normalization="layernorm",
+    activation="gelu",
+    position_embedding="learned",
+    bias=True,
+    tie_embeddings=True,
+)
+LLAMA_STYLE = dict(
+    normalization="rmsnorm",
+    activation="swiglu",
+    position_embedding="rope",
+    bias=False,
+    tie_embeddings=False,
+    num_query_groups=2,  # grouped-query attention: 4 heads share 2 K/V heads
+    qk_norm=True,
+    rope_theta=1000.0,
+)
+STYLES = {"gpt2": GPT2_STYLE, "llama": LLAMA_STYLE}
 
-def tiny_config(world_size: int = 1, vocab_size: int = 100, **sections) -> RunConfig:
-    """A resolved config of a tiny model; ``sections`` maps a section name to its overrides."""
+
+def tiny_config(style: str, world_size: int = 1, vocab_size: int = 100, **sections) -> RunConfig:
+    """A resolved config of a 2-layer, 32-wide model of ``style``; ``sections`` maps a section
+    name to extra overrides (``model={"qk_norm": False}``)."""
     config = RunConfig()
-    config.model.num_layers = 2
-    config.model.hidden_size = 32
-    config.model.num_attention_heads = 4
-    config.model.seq_length = 16
-    for section, overrides in sections.items():
-        for key, value in overrides.items():
+    overrides = {"model": dict(STYLES[style], num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)}
+    for section, values in sections.items():
+        overrides.setdefault(section, {}).update(values)
+    for section, values in overrides.items():
+        for key, value in values.items():
             setattr(getattr(config, section), key, value)
     return config.resolve(world_size, vocab_size)
+
+
+@pytest.fixture
+def make_config():
+    return tiny_config
 
 
 @pytest.fixture
