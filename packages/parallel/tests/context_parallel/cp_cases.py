@@ -4,6 +4,7 @@ import it by name)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -144,3 +145,15 @@ def worker(layouts: list[tuple[int, int]], device: str = "cpu") -> dict:
         results[(tp, cp)] = layout
         dist.barrier()
     return results
+
+
+def nccl_rank(rank: int, world_size: int, port: int, out_dir: str, layouts: list[tuple[int, int]]) -> None:
+    """One GPU rank of the NCCL variant: ``worker`` on ``cuda:rank``, results saved to ``out_dir``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
+    try:
+        torch.save(worker(layouts, str(device)), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()

@@ -9,7 +9,6 @@ import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -25,21 +24,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _nccl_rank(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", rank=rank, world_size=WORLD_SIZE, device_id=device)
-    try:
-        torch.save(cp_cases.worker(LAYOUTS, str(device)), os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def per_rank():
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_nccl_rank, args=(free_port(), out_dir), nprocs=WORLD_SIZE, start_method="spawn")
+        mp.start_processes(
+            cp_cases.nccl_rank,
+            args=(WORLD_SIZE, free_port(), out_dir, LAYOUTS),
+            nprocs=WORLD_SIZE,
+            start_method="spawn",
+        )
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD_SIZE)]
 
 
