@@ -1,6 +1,5 @@
 """Every load error names what is wrong and where."""
 
-import json
 import os
 
 import pytest

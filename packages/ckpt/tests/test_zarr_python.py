@@ -21,7 +21,6 @@ def ckpt(tmp_path):
         "bf16": torch.randn(4, 4, generator=g).to(torch.bfloat16),
         "ids": torch.arange(-3, 5),
     }
-    # the fp32 tensor is saved as two pieces of one process-free layout: rows 0-2 and 3-5
     state = {k: ShardedTensor(k, v, tuple(v.shape), (0,) * v.dim()) for k, v in tensors.items()}
     save(state, str(tmp_path), 3, {})
     return str(tmp_path), tensors

@@ -44,15 +44,6 @@ class SaveGroup:
         dist.all_gather_object(gathered, obj, group=self.group)
         return gathered
 
-    def broadcast_from_coordinator(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank."""
-        if self.world_size == 1:
-            return obj
-        box = [obj]
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        dist.broadcast_object_list(box, src=src, group=self.group)
-        return box[0]
-
     def agree_on_failures(self, error: str | None, phase: str) -> None:
         """A barrier that also carries failures: if any rank failed ``phase``, every rank raises.
 

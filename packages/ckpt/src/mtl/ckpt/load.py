@@ -37,44 +37,39 @@ def _overlap(a_off: list, a_shape: list, b_off: tuple, b_shape: tuple) -> tuple 
     return tuple(bounds)
 
 
-class _VerifiedReader:
-    """Reads whole stored shards once each, checks their checksums, cuts boxes out of them."""
+def _read_verified_shard(array: Any, key: str, shard: dict[str, Any]) -> np.ndarray:
+    """One whole stored shard, checked against its sha256 from metadata.json."""
+    data = storage.read_region(array, tuple(shard["offset"]), tuple(shard["shape"]), key)
+    if storage.checksum(data) != shard["sha256"]:
+        raise CheckpointError(
+            f"tensor '{key}' shard at offset {shard['offset']} shape {shard['shape']} fails its "
+            "checksum: the array data is corrupt or missing — load another iteration"
+        )
+    return data
 
-    def __init__(self) -> None:
-        self._cache: dict[tuple[str, int], np.ndarray] = {}
 
-    def shard(self, array: Any, key: str, index: int, shard: dict[str, Any]) -> np.ndarray:
-        if (key, index) not in self._cache:
-            data = storage.read_region(array, tuple(shard["offset"]), tuple(shard["shape"]), key)
-            if storage.checksum(data) != shard["sha256"]:
-                raise CheckpointError(
-                    f"tensor '{key}' shard at offset {shard['offset']} shape {shard['shape']} fails its "
-                    "checksum: the array data is corrupt or missing — load another iteration"
-                )
-            self._cache[(key, index)] = data
-        return self._cache[(key, index)]
-
-    def read_box(self, array: Any, key: str, entry: dict[str, Any], offset: tuple, shape: tuple) -> np.ndarray:
-        out = np.empty(shape, dtype=np.dtype(entry["storage_dtype"]))
-        if not shape:  # a 0-d tensor is one shard
-            out[()] = self.shard(array, key, 0, entry["shards"][0])
-            return out
-        filled = 0
-        for index, shard in enumerate(entry["shards"]):
-            bounds = _overlap(shard["offset"], shard["shape"], offset, shape)
-            if bounds is None:
-                continue
-            data = self.shard(array, key, index, shard)
-            src = tuple(slice(lo - so, hi - so) for (lo, hi), so in zip(bounds, shard["offset"]))
-            dst = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(bounds, offset))
-            out[dst] = data[src]
-            filled += int(np.prod([hi - lo for lo, hi in bounds]))
-        if filled != out.size:
-            raise CheckpointError(
-                f"tensor '{key}': the stored shards cover {filled} of the {out.size} elements asked for at "
-                f"offset {offset}; metadata.json is inconsistent — the checkpoint is corrupt"
-            )
+def _read_box_verified(array: Any, key: str, entry: dict[str, Any], offset: tuple, shape: tuple) -> np.ndarray:
+    """The box ``offset``/``shape`` cut out of every verified stored shard it overlaps."""
+    out = np.empty(shape, dtype=np.dtype(entry["storage_dtype"]))
+    if not shape:  # a 0-d tensor is one shard
+        out[()] = _read_verified_shard(array, key, entry["shards"][0])
         return out
+    filled = 0
+    for shard in entry["shards"]:
+        bounds = _overlap(shard["offset"], shard["shape"], offset, shape)
+        if bounds is None:
+            continue
+        data = _read_verified_shard(array, key, shard)
+        src = tuple(slice(lo - so, hi - so) for (lo, hi), so in zip(bounds, shard["offset"]))
+        dst = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(bounds, offset))
+        out[dst] = data[src]
+        filled += int(np.prod([hi - lo for lo, hi in bounds]))
+    if filled != out.size:
+        raise CheckpointError(
+            f"tensor '{key}': the stored shards cover {filled} of the {out.size} elements asked for at "
+            f"offset {offset}; metadata.json is inconsistent — the checkpoint is corrupt"
+        )
+    return out
 
 
 def _check_fits(key: str, entry: dict[str, Any], target: ShardedTensor, ckpt_path: str) -> None:
@@ -118,15 +113,11 @@ def load(
     for target in wanted:
         _check_fits(target.key, stored[target.key], target, ckpt_path)
 
-    reader = _VerifiedReader()
-    arrays: dict[str, Any] = {}
-    for target in wanted:
+    for target in wanted:  # flatten_state guarantees one target per key
         entry = stored[target.key]
-        if target.key not in arrays:
-            arrays[target.key] = storage.open_array(os.path.join(ckpt_path, entry["path"]), target.key)
-        array = arrays[target.key]
+        array = storage.open_array(os.path.join(ckpt_path, entry["path"]), target.key)
         if verify:
-            words = reader.read_box(array, target.key, entry, target.global_offset, target.local_shape)
+            words = _read_box_verified(array, target.key, entry, target.global_offset, target.local_shape)
         else:
             words = storage.read_region(array, target.global_offset, target.local_shape, target.key)
         loaded = storage.from_storage_array(words, entry["dtype"])  # [local_shape], stored dtype
