@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
 from mtl.core.errors import ParallelError
 from mtl.parallel.context_parallel import (
     context_parallel_attention,
@@ -94,7 +93,7 @@ def assert_case_matches_reference(case: Case, layouts: list[tuple[int, int]], pe
                 assert got[name].dtype == case.dtype, (layout, rank, name)
                 torch.testing.assert_close(
                     got[name].double(), expected, atol=tol, rtol=tol,
-                    msg=lambda m: f"(tp, cp) = {layout}, rank {rank}, {name}: {m}",
+                    msg=lambda m, where=(layout, rank, name): f"(tp, cp), rank, tensor = {where}: {m}",
                 )
 
 

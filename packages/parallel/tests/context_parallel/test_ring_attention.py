@@ -13,8 +13,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # spawned ranks import cp_cases by name
 
-import cp_cases  # noqa: E402
-from mtl.parallel.testing import run_distributed  # noqa: E402
+import cp_cases
+from mtl.parallel.testing import run_distributed
 
 WORLDS = {2: [(1, 2)], 4: [(1, 4), (2, 2)]}  # world size -> (tp, cp) layouts run in it
 

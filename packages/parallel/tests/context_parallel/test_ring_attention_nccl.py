@@ -13,8 +13,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import cp_cases  # noqa: E402
-from mtl.parallel.testing import free_port  # noqa: E402
+import cp_cases
+from mtl.parallel.testing import free_port
 
 LAYOUTS = [(1, 2)]
 WORLD_SIZE = 2

@@ -11,17 +11,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import cp_cases  # noqa: E402
-from mtl.core.errors import ParallelError  # noqa: E402
-from mtl.parallel.context_parallel import (  # noqa: E402
+import cp_cases
+from mtl.core.errors import ParallelError
+from mtl.parallel.context_parallel import (
     context_parallel_attention,
     context_parallel_position_ids,
     gather_from_context_parallel,
     split_for_context_parallel,
 )
-from mtl.parallel.context_parallel.block_attention import block_forward, merge_partial  # noqa: E402
-from mtl.parallel.context_parallel.ring_attention import _block_plan  # noqa: E402
-from mtl.parallel.topology import Topology  # noqa: E402
+from mtl.parallel.context_parallel.block_attention import block_forward, merge_partial
+from mtl.parallel.context_parallel.ring_attention import _block_plan
+from mtl.parallel.topology import Topology
 
 
 @pytest.mark.parametrize("case", cp_cases.CASES, ids=lambda c: c.name)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from mtl.core.errors import ParallelError
 from mtl.parallel.context_parallel.ring_attention import RingAttention, _Ring
 from mtl.parallel.context_parallel.sharding import (

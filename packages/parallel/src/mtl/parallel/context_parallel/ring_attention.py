@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
 from mtl.parallel.context_parallel.block_attention import (
     block_backward,
     block_forward,
