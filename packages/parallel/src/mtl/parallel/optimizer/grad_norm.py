@@ -48,15 +48,25 @@ def _counted_grad(param: nn.Parameter, topology: Topology, grads_are_dp_sharded:
     return param.grad.reshape(-1)[first:last]
 
 
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    norms = torch._foreach_norm([g if g.dtype == torch.float32 else g.float() for g in grads], 2)
+    return torch.stack(norms).square().sum()
+
+
 def global_grad_norm(params, topology: Topology, grads_are_dp_sharded: bool = False) -> torch.Tensor:
     """The L2 norm of the whole model's gradient, the same fp32 scalar on every rank."""
     unique = list({id(p): p for p in params if p.grad is not None}.values())
-    grads = [g for g in (_counted_grad(p, topology, grads_are_dp_sharded) for p in unique) if g is not None]
+    counted = [_counted_grad(p, topology, grads_are_dp_sharded) for p in unique]
+    grads = [g for g in counted if g is not None]
+    # Gradients not counted (copies of ones another rank counts) still take part with weight
+    # 0: finite -> +0, inf/NaN -> NaN, so any non-finite element anywhere shows in the result.
+    uncounted = [p.grad for p, g in zip(unique, counted) if g is None]
     device = unique[0].grad.device if unique else torch.device("cpu")
     squares = torch.zeros((), dtype=torch.float32, device=device)
     if grads:
-        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads], 2)
-        squares = torch.stack(norms).square().sum()
+        squares = squares + _sum_of_squares(grads)
+    if uncounted:
+        squares = squares + 0.0 * _sum_of_squares(uncounted)
     for name in ("tp_pp",) + (("dp_cp",) if grads_are_dp_sharded else ()):
         group = topology.group(name)
         if group is not None:
