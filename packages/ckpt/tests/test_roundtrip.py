@@ -62,11 +62,12 @@ def test_common_state_metadata_and_listing(tmp_path):
     assert meta == {"config": {"hidden": 4}}
 
 
-def test_load_reads_only_the_requested_slice_and_casts(tmp_path):
+@pytest.mark.parametrize("verify", [True, False])
+def test_load_reads_only_the_requested_slice_and_casts(tmp_path, verify):
     w = torch.randn(6, 8, dtype=torch.float64)
     save({"w": full("w", w)}, str(tmp_path), 1)
     part = ShardedTensor("w", torch.zeros(2, 3, dtype=torch.float32), (6, 8), (4, 5))
-    load({"w": part}, str(tmp_path))
+    load({"w": part}, str(tmp_path), verify=verify)
     assert torch.equal(part.data, w[4:6, 5:8].float())
 
 
