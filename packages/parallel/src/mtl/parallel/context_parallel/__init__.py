@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from mtl.core.errors import ParallelError
-from mtl.parallel.context_parallel.ring_attention import RingAttention, _Ring
+from mtl.parallel.context_parallel.ring_attention import RingAttention, CpRing
 from mtl.parallel.context_parallel.sharding import (
     context_parallel_position_ids,
     gather_from_context_parallel,
@@ -102,4 +103,4 @@ def context_parallel_attention(
             f"context_parallel_attention: local sequence length {q.size(1)} is odd; with cp = "
             f"{topology.cp} each rank holds two equal chunks, so split inputs with split_for_context_parallel"
         )
-    return RingAttention.apply(q, k, v, _Ring(topology), causal, scale)
+    return RingAttention.apply(q, k, v, CpRing(topology), causal, scale)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
 from mtl.parallel.context_parallel.block_attention import (
     block_backward,
     block_forward,
@@ -33,7 +35,7 @@ _KV_TAG = 1
 _DKV_TAG = 2
 
 
-class _Ring:
+class CpRing:
     """This rank's place in the cp ring: global ranks of its neighbours and the group."""
 
     def __init__(self, topology: Topology):
@@ -74,7 +76,7 @@ class RingAttention(torch.autograd.Function):
     """Autograd function of ring attention; call through ``context_parallel_attention``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: _Ring, causal: bool, scale: float):
+    def forward(ctx, q, k, v, ring: CpRing, causal: bool, scale: float):
         b, s_local, heads, d = q.shape
         chunk = s_local // 2
         dtype = compute_dtype(q.dtype)
@@ -99,6 +101,7 @@ class RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the ring's p2p buffers carry no graph: refuse double backward loudly
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring, causal, scale = ctx.ring, ctx.causal, ctx.scale

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
 from mtl.core.errors import ParallelError
 from mtl.parallel.topology import Topology
 
