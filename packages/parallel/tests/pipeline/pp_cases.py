@@ -52,7 +52,7 @@ class SyncRecorder:
             self.syncing = True
 
 
-def run_case(case: dict) -> dict:
+def run_case(case: dict, device: torch.device = torch.device("cpu")) -> dict:
     pp, vpp = case["pp"], case.get("vpp", 1)
     num_layers, num_micro_batches = case["num_layers"], case["micro_batches"]
     topology = Topology.build(pp=pp, vpp=vpp)
@@ -61,7 +61,8 @@ def run_case(case: dict) -> dict:
     for chunk in range(vpp):
         start, end = stage_layer_range(num_layers, topology, chunk, case.get("first_stage_layers"))
         virtual_stage = chunk * pp + topology.pp_rank
-        chunks.append(pp_toy.ToyChunk(full, start, end, virtual_stage == 0, virtual_stage == pp * vpp - 1))
+        chunk_model = pp_toy.ToyChunk(full, start, end, virtual_stage == 0, virtual_stage == pp * vpp - 1)
+        chunks.append(chunk_model.to(device))
 
     no_sync = case.get("no_sync")
     recorders = [SyncRecorder() for _ in chunks]
@@ -78,7 +79,7 @@ def run_case(case: dict) -> dict:
         "per_chunk": [r.no_sync for r in recorders],
     }[no_sync]
 
-    batches = pp_toy.make_micro_batches(num_micro_batches)
+    batches = [{k: v.to(device) for k, v in b.items()} for b in pp_toy.make_micro_batches(num_micro_batches)]
     metrics = forward_backward(
         pp_toy.forward_step,
         [iter(batches) for _ in chunks],
@@ -91,24 +92,24 @@ def run_case(case: dict) -> dict:
         no_sync_func=no_sync_func,
     )
     params = {name: p for chunk in chunks for name, p in chunk.params.items()}
-    before_sync = {n: p.grad.clone() for n, p in params.items() if getattr(p, "shared_embedding", False)}
+    before_sync = {n: p.grad.to("cpu", copy=True) for n, p in params.items() if getattr(p, "shared_embedding", False)}
     allreduce_shared_embedding_grads(chunks, topology)
     return dict(
         pp_rank=topology.pp_rank,
         losses=[m["loss"].item() for m in metrics],
-        grads={n: None if p.grad is None else p.grad.clone() for n, p in params.items()},
+        grads={n: None if p.grad is None else p.grad.to("cpu", copy=True) for n, p in params.items()},
         shared_before_sync=before_sync,
         sync_events=events,
     )
 
 
-def exchange_both_ways() -> dict:
+def exchange_both_ways(device: torch.device = torch.device("cpu")) -> dict:
     """pp = 2: each rank sends an activation and a gradient to its only peer in one batch."""
     topology = Topology.build(pp=2)
     p2p.ensure_pp_group_ready(topology)
     me = topology.pp_rank
-    activation = torch.full(pp_toy.TENSOR_SHAPE, 10.0 + me)
-    gradient = torch.full(pp_toy.TENSOR_SHAPE, 20.0 + me)
+    activation = torch.full(pp_toy.TENSOR_SHAPE, 10.0 + me, device=device)
+    gradient = torch.full(pp_toy.TENSOR_SHAPE, 20.0 + me, device=device)
     from_prev, from_next = p2p.communicate(
         topology,
         send_next=activation,
@@ -117,7 +118,7 @@ def exchange_both_ways() -> dict:
         recv_next=True,
         tensor_shape=pp_toy.TENSOR_SHAPE,
         dtype=torch.float32,
-        device=torch.device("cpu"),
+        device=device,
     )
     return dict(pp_rank=me, from_prev=from_prev.detach()[0, 0, 0].item(), from_next=from_next[0, 0, 0].item())
 
