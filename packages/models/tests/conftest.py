@@ -2,28 +2,27 @@
 
 import pytest
 import torch
-
 from mtl.core.config import RunConfig
 from mtl.core.plugins import registry
 from mtl.parallel.topology import Topology
 
-GPT2_STYLE = dict(
-    normalization="layernorm",
-    activation="gelu",
-    position_embedding="learned",
-    bias=True,
-    tie_embeddings=True,
-)
-LLAMA_STYLE = dict(
-    normalization="rmsnorm",
-    activation="swiglu",
-    position_embedding="rope",
-    bias=False,
-    tie_embeddings=False,
-    num_query_groups=2,  # grouped-query attention: 4 heads share 2 K/V heads
-    qk_norm=True,
-    rope_theta=1000.0,
-)
+GPT2_STYLE = {
+    "normalization": "layernorm",
+    "activation": "gelu",
+    "position_embedding": "learned",
+    "bias": True,
+    "tie_embeddings": True,
+}
+LLAMA_STYLE = {
+    "normalization": "rmsnorm",
+    "activation": "swiglu",
+    "position_embedding": "rope",
+    "bias": False,
+    "tie_embeddings": False,
+    "num_query_groups": 2,  # grouped-query attention: 4 heads share 2 K/V heads
+    "qk_norm": True,
+    "rope_theta": 1000.0,
+}
 STYLES = {"gpt2": GPT2_STYLE, "llama": LLAMA_STYLE}
 
 

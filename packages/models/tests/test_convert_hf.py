@@ -4,8 +4,6 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from mtl.core.config import RunConfig
 from mtl.core.config_io import config_from_dict
 from mtl.core.errors import CheckpointError, ConfigError
@@ -13,6 +11,7 @@ from mtl.models.convert_hf import HFConverter
 from mtl.models.generate import generate
 from mtl.models.gpt import build_gpt
 from mtl.models.param_layout import load_global_state
+from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,10 +31,11 @@ def save_gpt2(path, **overrides):
 
 
 def save_llama(path, **overrides):
-    fields = dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rope_theta=500.0, bos_token_id=0, eos_token_id=0, initializer_range=0.2,
-    )
+    fields = {
+        "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "rope_theta": 500.0,
+        "bos_token_id": 0, "eos_token_id": 0, "initializer_range": 0.2,
+    }
     fields.update(overrides)
     torch.manual_seed(2)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()

@@ -3,7 +3,6 @@ layer names, and a tied output weight that starts equal to the word embedding.""
 
 import pytest
 import torch
-
 from mtl.core.errors import ConfigError
 from mtl.models.gpt import build_gpt
 from mtl.models.initialization import initialize_parameters
@@ -18,7 +17,7 @@ def test_two_stages_equal_the_full_model(make_config, backend, single, style):
     last = build_gpt(config, single, backend, pre_process=False, layer_range=(2, 3))
     for model in (full, first, last):
         initialize_parameters(model, 3, single)
-    assert [n for n, _ in last.named_parameters() if n.startswith("layers.")][0].startswith("layers.2.")
+    assert next(n for n, _ in last.named_parameters() if n.startswith("layers.")).startswith("layers.2.")
 
     ids, labels = torch.randint(0, 100, (2, 16)), torch.randint(0, 100, (2, 16))
     expected = full(ids, labels=labels)

@@ -17,9 +17,8 @@ contiguous box of it. Checkpoints, the HF converters and the initializer all use
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from mtl.core.errors import ParallelError
+from torch import nn
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 TIED_OUTPUT = "output_layer.weight"
@@ -110,7 +109,7 @@ def gather_global_state(model: nn.Module, topology, *, grads: bool = False) -> d
     """The full global tensors of ``model``'s parameters (or, with ``grads``, of their
     gradients), assembled from every TP rank: a collective over the TP group; for a single
     process, a copy. Used by tests and exporters."""
-    import torch.distributed as dist  # noqa: PLC0415 (only needed with a TP group)
+    import torch.distributed as dist
 
     group = topology.tp_group
     state = {}

@@ -14,11 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
-
-
 from mtl.core.config_io import config_from_dict
 from mtl.core.errors import CheckpointError, ConfigError
+from safetensors.torch import load_file, save_file
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"

@@ -11,7 +11,6 @@ import logging
 from typing import Any
 
 import torch
-
 from mtl.core.errors import ConfigError
 from mtl.models.convert_hf.common import (
     check_resolved,
@@ -85,8 +84,8 @@ def gpt2_to_mtl(hf: dict[str, Any], tensors: dict[str, torch.Tensor], source: st
     for i in range(section["num_layers"]):
         hf_layer, ours = f"h.{i}.", f"layers.{i}."
 
-        def pop(name: str) -> torch.Tensor:
-            return take(tensors, hf_layer + name, source)
+        def pop(name: str, prefix: str = hf_layer) -> torch.Tensor:
+            return take(tensors, prefix + name, source)
 
         for suffix in ("weight", "bias"):
             state[ours + f"input_norm.{suffix}"] = pop(f"ln_1.{suffix}")

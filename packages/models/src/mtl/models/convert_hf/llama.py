@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from mtl.core.errors import ConfigError
 from mtl.models.convert_hf.common import (
     check_resolved,
@@ -83,8 +82,8 @@ def llama_to_mtl(hf: dict[str, Any], tensors: dict[str, torch.Tensor], source: s
     for i in range(section["num_layers"]):
         hf_layer, ours = f"model.layers.{i}.", f"layers.{i}."
 
-        def pop(name: str) -> torch.Tensor:
-            return take(tensors, hf_layer + name, source)
+        def pop(name: str, prefix: str = hf_layer) -> torch.Tensor:
+            return take(tensors, prefix + name, source)
 
         state[ours + "input_norm.weight"] = pop("input_layernorm.weight")
         state[ours + "pre_mlp_norm.weight"] = pop("post_attention_layernorm.weight")

@@ -14,7 +14,10 @@ from mtl.core.registrations import Backend
 from mtl.core.spec import ModuleSpec
 from mtl.models.gpt.attention import SelfAttention, SelfAttentionSubmodules
 from mtl.models.gpt.mlp import MLP, MLPSubmodules
-from mtl.models.gpt.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from mtl.models.gpt.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+)
 
 
 def output_init_std(config: RunConfig) -> float:

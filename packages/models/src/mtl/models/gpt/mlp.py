@@ -13,9 +13,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from mtl.core.spec import build_module
+from torch import nn
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,11 @@ be wrong. This wrapper snapshots the tracker's streams and replays them for the 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
-
-from torch.utils.checkpoint import checkpoint
+from collections.abc import Callable
+from typing import Any
 
 from mtl.parallel.random import get_rng_tracker
+from torch.utils.checkpoint import checkpoint
 
 
 def checkpointed(function: Callable[..., Any], *args: Any) -> Any:
