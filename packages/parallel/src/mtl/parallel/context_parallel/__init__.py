@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from mtl.core.errors import ParallelError
-from mtl.parallel.context_parallel.ring_attention import RingAttention, CpRing
+from mtl.parallel.context_parallel.ring_attention import CpRing, RingAttention
 from mtl.parallel.context_parallel.sharding import (
     context_parallel_position_ids,
     gather_from_context_parallel,
