@@ -56,7 +56,12 @@ def _save_two_ranks(sync_dir: str, async_dir: str) -> list:
         outcome = str(exc)
     finally:
         storage.write_region = original
-    return [outcome, latest_iteration(sync_dir)]
+    try:  # ranks disagreeing on the iteration are caught before anything is written
+        save(state, sync_dir, 30 + rank, {})
+        mismatch = "saved"
+    except CheckpointError as exc:
+        mismatch = str(exc)
+    return [outcome, latest_iteration(sync_dir), mismatch]
 
 
 def _load_four_ranks(ckpt_dir: str) -> dict:
@@ -131,8 +136,10 @@ def test_async_save_equals_sync_save(saved):
 
 def test_failure_on_one_rank_fails_every_rank_and_keeps_previous(saved):
     sync_dir, _, results = saved
-    for outcome, latest in results:
+    for outcome, latest, mismatch in results:
         assert "rank 1: OSError: disk full (injected)" in outcome
         assert latest == 10
+        assert "rank 0 saves iteration 30" in mismatch and "rank 1 saves iteration 31" in mismatch
     assert os.path.isdir(os.path.join(sync_dir, "iter_0000020.partial"))
     assert not os.path.exists(os.path.join(sync_dir, "iter_0000020"))
+    assert not [name for name in os.listdir(sync_dir) if name.startswith(("iter_0000030", "iter_0000031"))]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mtl.ckpt import ShardedTensor, latest_iteration, list_keys, load, read_metadata, save
+from mtl.core.errors import CheckpointError
 
 
 def full(key, data):
@@ -88,3 +89,11 @@ def test_strict_false_keeps_missing_values(tmp_path):
     extra.data.fill_(5.0)
     state, _ = load({"w": like("w", torch.ones(2)), "extra": extra, "new_step": 9}, str(tmp_path), strict=False)
     assert torch.equal(extra.data, torch.full((3,), 5.0)) and state["new_step"] == 9
+
+
+def test_strict_common_list_shorter_in_checkpoint(tmp_path):
+    save({"w": full("w", torch.ones(2)), "rng": [1, 2]}, str(tmp_path), 1)
+    with pytest.raises(CheckpointError, match="'rng' has 2 items in the checkpoint but the template has 3"):
+        load({"w": like("w", torch.ones(2)), "rng": [0, 0, 0]}, str(tmp_path))
+    state, _ = load({"w": like("w", torch.ones(2)), "rng": [0, 0, 9]}, str(tmp_path), strict=False)
+    assert state["rng"] == [1, 2, 9]

@@ -106,6 +106,17 @@ def _describe_local(state: Any, metadata: dict, rank: int) -> tuple[list[ShardRe
     return records, by_key, common
 
 
+def _check_same_target(per_rank: list) -> None:
+    """Every rank of the group must save the same iteration into the same directory."""
+    first = per_rank[0][0]
+    for rank, (target, _) in enumerate(per_rank):
+        if target != first:
+            raise CheckpointError(
+                f"rank 0 saves iteration {first[1]} to {first[0]} but rank {rank} saves iteration {target[1]} "
+                f"to {target[0]}; call save with the same ckpt_dir and iteration on every rank"
+            )
+
+
 def _create_partial(plan: SavePlan) -> None:
     """Rank 0: a fresh ``iter_N.partial`` holding an empty zarr group and one array per key."""
     final = directory.iteration_dir(plan.ckpt_dir, plan.iteration)
@@ -138,12 +149,14 @@ def prepare_save(
     group.agree_on_failures(error, "describing the state")
     records, by_key, common = described
 
-    gathered = [rec for rank_records in group.all_gather_object(records) for rec in rank_records]
-    layouts, error = _attempt(lambda: plan_layout(gathered))
+    target = (os.path.abspath(ckpt_dir), iteration)
+    per_rank = group.all_gather_object((target, records))
+    gathered = [rec for _, rank_records in per_rank for rec in rank_records]
+    layouts, error = _attempt(lambda: _check_same_target(per_rank) or plan_layout(gathered))
     group.agree_on_failures(error, "checking the shard layout")
 
     own = [(rec, by_key[rec.key]) for layout in layouts.values() for rec in layout.written_by(group.rank)]
-    plan = SavePlan(os.path.abspath(ckpt_dir), iteration, group, layouts, own, common, metadata)
+    plan = SavePlan(target[0], iteration, group, layouts, own, common, metadata)
     error = None
     if group.is_coordinator:
         _, error = _attempt(lambda: _create_partial(plan))

@@ -15,7 +15,7 @@ import torch
 from mtl.core.errors import CheckpointError
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: comparing tensors elementwise has no single truth value
 class ShardedTensor:
     """This rank's slice ``data`` of the global tensor named ``key``.
 
@@ -159,6 +159,11 @@ def merge_common(template: Any, saved: Any, strict: bool, where: str = "") -> An
         return merged
     if isinstance(template, (list, tuple)):
         saved_list = saved if isinstance(saved, list) else []
+        if strict and len(saved_list) < len(template) and not all(map(_holds_only_sharded, template[len(saved_list):])):
+            raise CheckpointError(
+                f"common state entry '{where}' has {len(saved_list)} items in the checkpoint but the template has "
+                f"{len(template)}; load with strict=False to keep the template's extra items"
+            )
         items = [
             merge_common(v, saved_list[i], strict, f"{where}.{i}") if i < len(saved_list) else v
             for i, v in enumerate(template)
