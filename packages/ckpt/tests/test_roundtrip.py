@@ -97,3 +97,12 @@ def test_strict_common_list_shorter_in_checkpoint(tmp_path):
         load({"w": like("w", torch.ones(2)), "rng": [0, 0, 0]}, str(tmp_path))
     state, _ = load({"w": like("w", torch.ones(2)), "rng": [0, 0, 9]}, str(tmp_path), strict=False)
     assert state["rng"] == [1, 2, 9]
+
+
+def test_keys_with_slashes_and_empty_tensors(tmp_path):
+    state = {"a": full("decoder/layer 0%w", torch.arange(3.0)), "e": full("empty", torch.zeros(0, 4))}
+    save(state, str(tmp_path), 1)
+    assert sorted(os.listdir(tmp_path / "iter_0000001" / "arrays")) == ["decoder%2Flayer%200%25w", "empty", "zarr.json"]
+    template = {"a": like("decoder/layer 0%w", torch.arange(3.0)), "e": like("empty", torch.zeros(0, 4))}
+    load(template, str(tmp_path))
+    assert torch.equal(template["a"].data, torch.arange(3.0)) and template["e"].data.shape == (0, 4)
