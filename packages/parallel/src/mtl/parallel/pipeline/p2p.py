@@ -31,8 +31,8 @@ import torch.distributed as dist
 from mtl.core.errors import ParallelError
 
 # Process groups that have already run one collective with all their ranks (see
-# ``ensure_pp_group_ready``); keyed by id because groups are not hashable on every backend.
-_ready_groups: set[int] = set()
+# ``ensure_pp_group_ready``). Held, not just their ids, so a new group cannot reuse an id.
+_ready_groups: list = []
 
 
 def ensure_pp_group_ready(topology) -> None:
@@ -43,12 +43,12 @@ def ensure_pp_group_ready(topology) -> None:
     Every rank of the pipeline calls the schedule at the same time, so one all-reduce at its
     start is safe and makes every later pairwise exchange valid."""
     group = topology.pp_group
-    if group is None or id(group) in _ready_groups:
+    if group is None or any(group is ready for ready in _ready_groups):
         return
     device = _group_device(group)
     token = torch.zeros(1, device=device)
     dist.all_reduce(token, group=group)
-    _ready_groups.add(id(group))
+    _ready_groups.append(group)
 
 
 def _group_device(group) -> torch.device:
