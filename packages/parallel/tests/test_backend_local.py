@@ -132,3 +132,21 @@ def test_core_attention_dropout_only_in_training():
 def test_core_attention_rejects_heads_not_multiple_of_groups():
     with pytest.raises(ParallelError, match="num_heads = 6.*num_query_groups = 4"):
         CoreAttention(num_heads=6, num_query_groups=4, head_dim=8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("s_q", [16, 3])
+def test_core_attention_bf16_on_gpu_matches_fp32_reference(s_q):
+    torch.manual_seed(0)
+    q = torch.randn(2, s_q, 8, 64, device="cuda")
+    k = torch.randn(2, 16, 2, 64, device="cuda")
+    v = torch.randn(2, 16, 2, 64, device="cuda")
+    attn = CoreAttention(num_heads=8, num_query_groups=2, head_dim=64, causal=True, dropout=0.0)
+    out = attn(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert out.dtype == torch.bfloat16 and out.shape == (2, s_q, 8, 64)
+    ref = naive_attention(q.cpu().double(), k.cpu().double(), v.cpu().double(), True)
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=2e-2, atol=2e-2)
+    norm = RMSNorm(64).cuda()
+    x = torch.randn(4, 2, 64, device="cuda")
+    ref_norm = x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(norm(x).double(), ref_norm, rtol=1e-5, atol=1e-5)

@@ -92,3 +92,16 @@ def test_model_parallel_stream_differs_over_tp_and_matches_over_dp():
         torch.testing.assert_close(g[name][2], g[name][0])  # same tp rank, other dp replica
         torch.testing.assert_close(g[name][3], g[name][1])
         assert not torch.allclose(g[name][1], g[name][0])  # other tp rank
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_tracker_on_gpu_swaps_the_cuda_generator():
+    tracker = seed_everything(11, device="cuda")
+    assert tracker.device == torch.device("cuda", torch.cuda.current_device())
+    with tracker.fork():
+        mask = torch.nn.functional.dropout(torch.ones(256, device="cuda"), p=0.5)
+    default_draw = torch.rand(4, device="cuda")
+    torch.cuda.manual_seed(11 + 2718)
+    torch.testing.assert_close(mask, torch.nn.functional.dropout(torch.ones(256, device="cuda"), p=0.5))
+    torch.cuda.manual_seed(11)
+    torch.testing.assert_close(default_draw, torch.rand(4, device="cuda"))

@@ -4,6 +4,7 @@ Each rank builds the tp=1 reference from the full weights and its tp=2 shard fro
 tensors; outputs and gradients gathered to full shape must match within 1e-6 (fp32).
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -22,9 +23,9 @@ def gather_dim(t: torch.Tensor, dim: int, group, stride: int = 1) -> torch.Tenso
     return full_from_shards(shards, dim, stride)
 
 
-def full_weights(seed: int):
+def full_weights(seed: int, device: str):
     g = torch.Generator().manual_seed(seed)
-    return {
+    tensors = {
         "w1": torch.randn(FFN, H, generator=g) * 0.1,
         "b1": torch.randn(FFN, generator=g) * 0.1,
         "w2": torch.randn(H, FFN, generator=g) * 0.1,
@@ -32,24 +33,25 @@ def full_weights(seed: int):
         "x": torch.randn(S, B, H, generator=g),
         "dy": torch.randn(S, B, H, generator=g),
     }
+    return {name: t.to(device) for name, t in tensors.items()}
 
 
-def mlp_equivalence(sequence_parallel: bool):
+def mlp_equivalence(sequence_parallel: bool, device: str):
     """Column(gelu) -> Row, the MLP pattern, at tp=2 vs tp=1."""
     topo = Topology.build(tp=2)
     group = topo.tp_group
-    t = full_weights(seed=1)
+    t = full_weights(seed=1, device=device)
 
-    ref1 = ColumnParallelLinear(H, FFN, bias=True, topology=None)
-    ref2 = RowParallelLinear(FFN, H, bias=True, topology=None)
+    ref1 = ColumnParallelLinear(H, FFN, bias=True, topology=None, device=device)
+    ref2 = RowParallelLinear(FFN, H, bias=True, topology=None, device=device)
     ref1.load_full(t["w1"], t["b1"])
     ref2.load_full(t["w2"], t["b2"])
     x_ref = t["x"].clone().requires_grad_()
     y_ref = ref2(torch.nn.functional.gelu(ref1(x_ref)))
     y_ref.backward(t["dy"])
 
-    col = ColumnParallelLinear(H, FFN, bias=True, topology=topo, sequence_parallel=sequence_parallel)
-    row = RowParallelLinear(FFN, H, bias=True, topology=topo, sequence_parallel=sequence_parallel)
+    col = ColumnParallelLinear(H, FFN, bias=True, topology=topo, sequence_parallel=sequence_parallel, device=device)
+    row = RowParallelLinear(FFN, H, bias=True, topology=topo, sequence_parallel=sequence_parallel, device=device)
     col.load_full(t["w1"], t["b1"])
     row.load_full(t["w2"], t["b2"])
     assert col.weight.shape == (FFN // 2, H) and row.weight.shape == (H, FFN // 2)
@@ -79,17 +81,17 @@ def mlp_equivalence(sequence_parallel: bool):
     torch.testing.assert_close(row.bias.grad, ref2.bias.grad, **TOL)  # complete on every rank
 
 
-def strided_column(sequence_parallel: bool):
+def strided_column(sequence_parallel: bool, device: str):
     """stride=2 (a fused [gate; up] weight): each rank holds its half of *each* block."""
     topo = Topology.build(tp=2)
     group = topo.tp_group
-    t = full_weights(seed=3)
+    t = full_weights(seed=3, device=device)
     x_ref = t["x"].clone().requires_grad_()
     w_ref = t["w1"].clone().requires_grad_()
     y_ref = x_ref @ w_ref.T  # [s, b, ffn] = [gate | up]
     y_ref.backward(torch.ones_like(y_ref))
 
-    col = ColumnParallelLinear(H, FFN, bias=False, topology=topo, stride=2, sequence_parallel=sequence_parallel)
+    col = ColumnParallelLinear(H, FFN, bias=False, topology=topo, stride=2, sequence_parallel=sequence_parallel, device=device)
     col.load_full(t["w1"])
     assert col.weight.tp_partition_stride == 2
     x = (t["x"].chunk(2, dim=0)[topo.tp_rank] if sequence_parallel else t["x"]).clone().requires_grad_()
@@ -104,19 +106,19 @@ def strided_column(sequence_parallel: bool):
     torch.testing.assert_close(gather_dim(col.weight.grad, 0, group, stride=2), w_ref.grad, **TOL)
 
 
-def gather_output_and_unsplit_input():
+def gather_output_and_unsplit_input(device: str):
     """Column with gather_output=True, Row with input_is_parallel=False, no biases; the
     two share one full weight W (y = (x Wᵀ) W), so W's gradient sums both layers'."""
     topo = Topology.build(tp=2)
     group = topo.tp_group
-    t = full_weights(seed=2)
+    t = full_weights(seed=2, device=device)
     x_ref = t["x"].clone().requires_grad_()
     w_ref = t["w1"].clone().requires_grad_()
     y_ref = (x_ref @ w_ref.T) @ w_ref  # [s, b, h] -> [s, b, ffn] -> [s, b, h]
     y_ref.backward(t["dy"])
 
-    col = ColumnParallelLinear(H, FFN, bias=False, topology=topo, gather_output=True)
-    row = RowParallelLinear(FFN, H, bias=False, topology=topo, input_is_parallel=False)
+    col = ColumnParallelLinear(H, FFN, bias=False, topology=topo, gather_output=True, device=device)
+    row = RowParallelLinear(FFN, H, bias=False, topology=topo, input_is_parallel=False, device=device)
     col.load_full(t["w1"])
     row.load_full(t["w1"].T.contiguous())
     x = t["x"].clone().requires_grad_()
@@ -130,13 +132,18 @@ def gather_output_and_unsplit_input():
     torch.testing.assert_close(w_grad, w_ref.grad, **TOL)
 
 
-def all_cases():
+def all_cases(device: str = "cpu"):
     for sequence_parallel in (False, True):
-        mlp_equivalence(sequence_parallel)
-        strided_column(sequence_parallel)
-    gather_output_and_unsplit_input()
+        mlp_equivalence(sequence_parallel, device)
+        strided_column(sequence_parallel, device)
+    gather_output_and_unsplit_input(device)
     return "ok"
 
 
 def test_parallel_linears_at_tp2_equal_tp1():
     assert run_distributed(all_cases, world_size=2) == ["ok", "ok"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_parallel_linears_at_tp2_equal_tp1_on_gpus_with_nccl():
+    assert run_distributed(all_cases, world_size=2, args=("cuda",), backend="nccl") == ["ok", "ok"]

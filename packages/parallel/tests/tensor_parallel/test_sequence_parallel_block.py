@@ -5,6 +5,7 @@ Block: y = x + Row(gelu(Column(norm(x)))), with x ``[s/tp, b, h]`` under SP. The
 weight is replicated; its gradient must be complete on every rank (summed over TP).
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -30,10 +31,10 @@ def gather_dim(t, dim, group):
     return torch.cat(parts, dim=dim)
 
 
-def build_block(norm_cls, topology, sequence_parallel, tensors):
-    norm = norm_cls(H, 1e-5, topology=topology, sequence_parallel=sequence_parallel)
-    col = ColumnParallelLinear(H, FFN, bias=True, topology=topology, sequence_parallel=sequence_parallel)
-    row = RowParallelLinear(FFN, H, bias=True, topology=topology, sequence_parallel=sequence_parallel)
+def build_block(norm_cls, topology, sequence_parallel, tensors, device):
+    norm = norm_cls(H, 1e-5, topology=topology, sequence_parallel=sequence_parallel).to(device)
+    col = ColumnParallelLinear(H, FFN, bias=True, topology=topology, sequence_parallel=sequence_parallel, device=device)
+    row = RowParallelLinear(FFN, H, bias=True, topology=topology, sequence_parallel=sequence_parallel, device=device)
     with torch.no_grad():
         norm.weight.copy_(tensors["gamma"])
         if norm.bias is not None:
@@ -43,7 +44,7 @@ def build_block(norm_cls, topology, sequence_parallel, tensors):
     return norm, col, row
 
 
-def block_equivalence(norm_cls):
+def block_equivalence(norm_cls, device):
     topo = Topology.build(tp=2)
     g = torch.Generator().manual_seed(4)
     t = {
@@ -56,12 +57,13 @@ def block_equivalence(norm_cls):
         "x": torch.randn(S, B, H, generator=g),
         "dy": torch.randn(S, B, H, generator=g),
     }
-    ref_norm, ref_col, ref_row = build_block(norm_cls, None, False, t)
+    t = {name: x.to(device) for name, x in t.items()}
+    ref_norm, ref_col, ref_row = build_block(norm_cls, None, False, t, device)
     x_ref = t["x"].clone().requires_grad_()
     y_ref = x_ref + ref_row(torch.nn.functional.gelu(ref_col(ref_norm(x_ref))))
     y_ref.backward(t["dy"])
 
-    norm, col, row = build_block(norm_cls, topo, True, t)
+    norm, col, row = build_block(norm_cls, topo, True, t, device)
     x = t["x"].chunk(2, dim=0)[topo.tp_rank].clone().requires_grad_()  # [s/tp, b, h]
     y = x + row(torch.nn.functional.gelu(col(norm(x))))
     assert y.shape == (S // 2, B, H)
@@ -77,12 +79,12 @@ def block_equivalence(norm_cls):
     torch.testing.assert_close(gather_dim(row.weight.grad, 1, topo.tp_group), ref_row.weight.grad, **TOL)
 
 
-def mapping_adjoints():
+def mapping_adjoints(device):
     """<f(x), y> == <x, f*(y)>: the backward of each scatter is its gather and vice versa."""
     topo = Topology.build(tp=2)
     group = topo.tp_group
     g = torch.Generator().manual_seed(5)
-    full = torch.randn(S, B, H, generator=g)
+    full = torch.randn(S, B, H, generator=g).to(device)
     for scatter, gather, dim in (
         (scatter_to_sequence_parallel, gather_from_sequence_parallel, 0),
         (scatter_to_tensor_parallel, gather_from_tensor_parallel, -1),
@@ -102,12 +104,17 @@ def mapping_adjoints():
     torch.testing.assert_close(local.grad, full.chunk(2, dim=0)[topo.tp_rank])
 
 
-def all_cases():
-    block_equivalence(RMSNorm)
-    block_equivalence(LayerNorm)
-    mapping_adjoints()
+def all_cases(device: str = "cpu"):
+    block_equivalence(RMSNorm, device)
+    block_equivalence(LayerNorm, device)
+    mapping_adjoints(device)
     return "ok"
 
 
 def test_sequence_parallel_block_and_mappings_at_tp2():
     assert run_distributed(all_cases, world_size=2) == ["ok", "ok"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_sequence_parallel_block_and_mappings_at_tp2_on_gpus_with_nccl():
+    assert run_distributed(all_cases, world_size=2, args=("cuda",), backend="nccl") == ["ok", "ok"]

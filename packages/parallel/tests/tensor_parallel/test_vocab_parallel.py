@@ -20,19 +20,20 @@ def gather_dim(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     return torch.cat(shards, dim=dim)
 
 
-def embedding_equivalence(sequence_parallel: bool):
+def embedding_equivalence(sequence_parallel: bool, device: str):
     topo = Topology.build(tp=2)
     g = torch.Generator().manual_seed(0)
     table = torch.randn(V, H, generator=g)
     tokens = torch.randint(0, V, (B, S), generator=g)
     tokens[0, :3] = torch.tensor([0, V // 2 - 1, V - 1])  # the edges of both ranks' ranges
     dy = torch.randn(S, B, H, generator=g)
+    table, tokens, dy = table.to(device), tokens.to(device), dy.to(device)
 
     ref_table = table.clone().requires_grad_()
     ref = F.embedding(tokens.t(), ref_table)  # [s, b, h]
     ref.backward(dy)
 
-    emb = VocabParallelEmbedding(V, H, topology=topo, sequence_parallel=sequence_parallel)
+    emb = VocabParallelEmbedding(V, H, topology=topo, sequence_parallel=sequence_parallel, device=device)
     emb.load_full(table)
     assert emb.weight.shape == (V // 2, H) and emb.weight.tp_split_dim == 0
     out = emb(tokens)
@@ -47,7 +48,7 @@ def embedding_equivalence(sequence_parallel: bool):
     torch.testing.assert_close(gather_dim(emb.weight.grad, 0, topo.tp_group), ref_table.grad, **TOL)
 
 
-def cross_entropy_equivalence(layout: str, dtype: torch.dtype):
+def cross_entropy_equivalence(layout: str, dtype: torch.dtype, device: str):
     topo = Topology.build(tp=2)
     g = torch.Generator().manual_seed(1)
     shape = (S, B) if layout == "sbv" else (B, S)
@@ -55,6 +56,7 @@ def cross_entropy_equivalence(layout: str, dtype: torch.dtype):
     target = torch.randint(0, V, shape, generator=g)
     target.view(-1)[:3] = torch.tensor([0, V // 2, V - 1])
     weights = torch.rand(*shape, generator=g)  # a loss mask-like weighting of tokens
+    logits, target, weights = logits.to(device), target.to(device), weights.to(device)
 
     ref_logits = logits.detach().double().requires_grad_()
     ref_loss = F.cross_entropy(ref_logits.reshape(-1, V), target.reshape(-1), reduction="none").view(shape)
@@ -66,22 +68,27 @@ def cross_entropy_equivalence(layout: str, dtype: torch.dtype):
     (loss * weights).sum().backward()
     assert local.grad.dtype == dtype
     tol = TOL if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(loss.double(), ref_loss.detach(), **(TOL if dtype == torch.float32 else tol))
+    torch.testing.assert_close(loss.double(), ref_loss.detach(), **tol)
     grad = gather_dim(local.grad, -1, topo.tp_group).double()
     torch.testing.assert_close(grad, ref_logits.grad, **tol)
 
 
-def all_cases():
+def all_cases(device: str = "cpu"):
     for sequence_parallel in (False, True):
-        embedding_equivalence(sequence_parallel)
+        embedding_equivalence(sequence_parallel, device)
     for layout in ("sbv", "bsv"):
-        cross_entropy_equivalence(layout, torch.float32)
-    cross_entropy_equivalence("sbv", torch.bfloat16)
+        cross_entropy_equivalence(layout, torch.float32, device)
+    cross_entropy_equivalence("sbv", torch.bfloat16, device)
     return "ok"
 
 
 def test_vocab_parallel_embedding_and_cross_entropy_at_tp2_equal_full_vocab():
     assert run_distributed(all_cases, world_size=2) == ["ok", "ok"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_vocab_parallel_at_tp2_on_gpus_with_nccl():
+    assert run_distributed(all_cases, world_size=2, args=("cuda",), backend="nccl") == ["ok", "ok"]
 
 
 def test_cross_entropy_single_process_matches_torch_and_passes_gradcheck():

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mtl.core.errors import ParallelError
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -53,7 +55,7 @@ def _resolve_function(ref: tuple[str, str | None, str]) -> Callable:
     return obj
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, fn_ref: tuple, args: tuple) -> None:
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn_ref: tuple, args: tuple, backend: str) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -65,7 +67,11 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn_ref: tuple, 
     result: Any
     try:
         fn = _resolve_function(fn_ref)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":  # one GPU per rank, as torchrun would place them
+            torch.cuda.set_device(rank)
+            dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = ("ok", fn(*args))
     except BaseException:  # report any failure to the parent, with the rank that raised it
         result = ("error", f"rank {rank}:\n{traceback.format_exc()}")
@@ -75,11 +81,17 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn_ref: tuple, 
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def run_distributed(fn: Callable, world_size: int, args: tuple = ()) -> list[Any]:
+def run_distributed(fn: Callable, world_size: int, args: tuple = (), backend: str = "gloo") -> list[Any]:
+    """``fn(*args)`` on ``world_size`` spawned ranks; ``backend="nccl"`` puts rank r on cuda:r."""
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ParallelError(
+            f"run_distributed: nccl with {world_size} ranks needs {world_size} GPUs, found "
+            f"{torch.cuda.device_count()}; use backend='gloo' on CPU"
+        )
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
             _worker,
-            args=(world_size, free_port(), out_dir, _function_ref(fn), args),
+            args=(world_size, free_port(), out_dir, _function_ref(fn), args, backend),
             nprocs=world_size,
             join=True,
             start_method="spawn",
