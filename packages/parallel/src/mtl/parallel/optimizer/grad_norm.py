@@ -99,7 +99,7 @@ def check_for_nan(loss: torch.Tensor | None, topology: Topology, *, raise_error:
     the ranks, unless ``raise_error=False``. ``loss=None`` (a stage without a loss) is fine."""
     world = topology.world_size
     device = loss.device if loss is not None else torch.device("cpu")
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
         device = torch.device("cuda", torch.cuda.current_device())
     bad = torch.zeros(world, dtype=torch.float32, device=device)
     if loss is not None and not torch.isfinite(loss.detach()).all():
