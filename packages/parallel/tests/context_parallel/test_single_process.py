@@ -43,11 +43,11 @@ def test_merging_key_blocks_equals_softmax_over_all_keys():
     q = torch.randn(2, 6, 4, 8, generator=gen, dtype=torch.float64)
     k = torch.randn(2, 10, 2, 8, generator=gen, dtype=torch.float64) * 4  # large scores: stability
     v = torch.randn(2, 10, 2, 8, generator=gen, dtype=torch.float64)
-    full_out, full_lse = block_forward(q, k, v, 0.5, causal=False)
+    full_out, full_lse = block_forward(q, k, v, 0.5, None)
     out = torch.zeros_like(full_out)
     lse = torch.full_like(full_lse, float("-inf"))
     for keys in (slice(0, 3), slice(3, 7), slice(7, 10)):
-        out, lse = merge_partial(out, lse, *block_forward(q, k[:, keys], v[:, keys], 0.5, causal=False))
+        out, lse = merge_partial(out, lse, *block_forward(q, k[:, keys], v[:, keys], 0.5, None))
     torch.testing.assert_close(out, full_out, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(lse, full_lse, atol=1e-12, rtol=1e-12)
 
@@ -59,20 +59,25 @@ def test_block_plan_covers_exactly_the_causal_pairs_and_balances_work(cp):
     positions = [context_parallel_position_ids(seq, Topology(cp=cp, rank=r)) for r in range(cp)]
     work = []
     for r in range(cp):
+        computed = 0  # score entries evaluated, masked ones included
         covered = torch.zeros(seq, seq, dtype=torch.bool)  # [query position, key position]
         for j in range(cp):
-            rows, keys, tri = _block_plan(r, j, chunk, causal=True)
-            q_pos, k_pos = positions[r][rows], positions[j][keys]
-            pairs = torch.ones(len(q_pos), len(k_pos), dtype=torch.bool)
-            if tri:
-                pairs = pairs.tril()
-            covered[q_pos.unsqueeze(1), k_pos.unsqueeze(0)] |= pairs
+            for rows, keys, mask_offset in _block_plan(r, j, chunk, causal=True):
+                q_pos, k_pos = positions[r][rows], positions[j][keys]
+                pairs = torch.ones(len(q_pos), len(k_pos), dtype=torch.bool)
+                if mask_offset is not None:
+                    pairs = pairs.tril(mask_offset)
+                assert not covered[q_pos.unsqueeze(1), k_pos.unsqueeze(0)][pairs].any(), "computed twice"
+                covered[q_pos.unsqueeze(1), k_pos.unsqueeze(0)] |= pairs
+                computed += pairs.numel()
         expected = torch.zeros(seq, seq, dtype=torch.bool)
         mine = positions[r]
         expected[mine] = torch.ones(seq, seq, dtype=torch.bool).tril()[mine]
         assert torch.equal(covered, expected), f"cp={cp} rank {r}"
-        work.append(int(covered.sum()))
-    assert len(set(work)) == 1, f"unbalanced causal work per rank: {work}"
+        work.append(computed)
+    assert len(set(work)) == 1, f"unbalanced attention work per rank: {work}"
+    # c x c tiles per rank: 3 on the diagonal step, 2 on each of the cp - 1 others
+    assert work[0] == chunk * chunk * (3 + 2 * (cp - 1))
 
 
 def test_split_layout_and_position_ids_without_processes():

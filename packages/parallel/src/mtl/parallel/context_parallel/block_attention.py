@@ -26,30 +26,31 @@ def _grouped(q: torch.Tensor, groups: int) -> torch.Tensor:
     return q.reshape(b, sq, groups, heads // groups, d)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask_offset: int | None) -> torch.Tensor:
     """Scaled scores ``[b, groups, heads/groups, sq, sk]`` in the compute dtype, causally masked if asked.
 
-    ``causal`` masks key j > query i (a lower-triangular block: both blocks start at the same
-    global position and are laid out in increasing order)."""
+    ``mask_offset`` None: no mask. An int ``o``: key j is masked for query i when j > i + o, the
+    causal mask of a query block that starts ``o`` tokens after the key block, both in
+    increasing global order (0: a lower-triangular block on the diagonal)."""
     dtype = compute_dtype(q.dtype)
     qg = _grouped(q.to(dtype), k.size(2))
     scores = torch.einsum("bqgnd,bkgd->bgnqk", qg, k.to(dtype)) * scale
-    if causal:
+    if mask_offset is not None:
         sq, sk = scores.shape[-2:]
-        future = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
+        future = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1 + mask_offset)
         scores = scores.masked_fill(future, float("-inf"))
     return scores
 
 
 def block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask_offset: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out ``[b, sq, heads, d]``, lse ``[b, heads, sq]``), both in the compute dtype.
 
     ``out`` is normalised over this block's keys only. Every query row must see at least one
     key (true for the block pairs ring attention computes)."""
     b, sq, heads, d = q.shape
-    scores = _scores(q, k, scale, causal)  # [b, g, n, sq, sk]
+    scores = _scores(q, k, scale, mask_offset)  # [b, g, n, sq, sk]
     lse = torch.logsumexp(scores, dim=-1)  # [b, g, n, sq]
     probs = torch.exp(scores - lse.unsqueeze(-1))
     out = torch.einsum("bgnqk,bkgd->bqgnd", probs, v.to(probs.dtype))
@@ -64,7 +65,7 @@ def block_backward(
     v: torch.Tensor,
     lse: torch.Tensor,
     scale: float,
-    causal: bool,
+    mask_offset: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of this block pair's share of the attention, in the compute dtype.
 
@@ -75,7 +76,7 @@ def block_backward(
     b, sq, heads, d = q.shape
     groups = k.size(2)
     n = heads // groups
-    scores = _scores(q, k, scale, causal)  # [b, g, n, sq, sk]
+    scores = _scores(q, k, scale, mask_offset)  # [b, g, n, sq, sk]
     dtype = scores.dtype
     probs = torch.exp(scores - lse.reshape(b, groups, n, sq, 1))
     dout_g = _grouped(dout.to(dtype), groups)  # [b, sq, g, n, d]

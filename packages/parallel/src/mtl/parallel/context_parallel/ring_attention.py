@@ -7,7 +7,8 @@ at step ``i`` rank ``r`` holds the keys/values of rank ``j = (r - i) mod cp``. T
 of a (query rank r, key rank j) pair follows from the chunk order
 ``j < r < 2cp-1-r < 2cp-1-j`` (for j < r) and ``r < j, 2cp-1-j < 2cp-1-r`` (for j > r):
 
-    j == r: both chunks of q against both chunks of k/v, lower-triangular
+    j == r: lower-triangular over the local sequence: first q chunk against first k/v chunk,
+            second q chunk against both (the first q chunk against the second k/v is skipped)
     j <  r: both chunks of q against the first chunk of k/v, no mask (the second is in the future)
     j >  r: the second chunk of q against both chunks of k/v, no mask (the first q chunk is earlier)
 
@@ -55,16 +56,20 @@ class CpRing:
         return dist.batch_isend_irecv(ops)
 
 
-def _block_plan(q_rank: int, kv_rank: int, chunk: int, causal: bool) -> tuple[slice, slice, bool]:
-    """(query rows, key rows, lower-triangular?) of the local sequence for one block pair."""
+def _block_plan(q_rank: int, kv_rank: int, chunk: int, causal: bool) -> list[tuple[slice, slice, int | None]]:
+    """The pieces of one block pair to compute: (query rows, key rows, mask offset) of the local
+    sequence, the mask offset as ``block_attention`` reads it (None: no mask)."""
     everything = slice(None)
+    first, second = slice(0, chunk), slice(chunk, 2 * chunk)
     if not causal:
-        return everything, everything, False
+        return [(everything, everything, None)]
     if kv_rank == q_rank:
-        return everything, everything, True
+        # Lower-triangular over the 2c local tokens, without the all-masked quarter
+        # (first q chunk against second k/v chunk).
+        return [(first, first, 0), (second, everything, chunk)]
     if kv_rank < q_rank:
-        return everything, slice(0, chunk), False
-    return slice(chunk, 2 * chunk), everything, False
+        return [(everything, first, None)]
+    return [(second, everything, None)]
 
 
 def _wait(works: list) -> None:
@@ -89,9 +94,13 @@ class RingAttention(torch.autograd.Function):
             if step < ring.size - 1:  # start the next block's transfer before computing this one
                 next_kv = torch.empty_like(kv)
                 pending = ring.exchange(kv, next_kv, _KV_TAG)
-            rows, keys, tri = _block_plan(ring.rank, kv_rank, chunk, causal)
-            part_out, part_lse = block_forward(q[:, rows], kv[0][:, keys], kv[1][:, keys], scale, tri)
-            out[:, rows], lse[:, :, rows] = merge_partial(out[:, rows], lse[:, :, rows], part_out, part_lse)
+            for rows, keys, mask_offset in _block_plan(ring.rank, kv_rank, chunk, causal):
+                part_out, part_lse = block_forward(
+                    q[:, rows], kv[0][:, keys], kv[1][:, keys], scale, mask_offset
+                )
+                out[:, rows], lse[:, :, rows] = merge_partial(
+                    out[:, rows], lse[:, :, rows], part_out, part_lse
+                )
             _wait(pending)
             if next_kv is not None:
                 kv = next_kv
@@ -120,17 +129,20 @@ class RingAttention(torch.autograd.Function):
             if step < ring.size - 1:
                 next_kv = torch.empty_like(kv)
                 kv_pending = ring.exchange(kv, next_kv, _KV_TAG)
-            rows, keys, tri = _block_plan(ring.rank, kv_rank, chunk, causal)
-            dq_part, dk_part, dv_part = block_backward(
-                dout[:, rows], delta[:, :, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys],
-                lse[:, :, rows], scale, tri,
-            )
-            dq[:, rows] += dq_part
-            _wait(dkv_pending)
+            kv_grads = []  # (key rows, dk part, dv part), added once the accumulator arrives
+            for rows, keys, mask_offset in _block_plan(ring.rank, kv_rank, chunk, causal):
+                dq_part, dk_part, dv_part = block_backward(
+                    dout[:, rows], delta[:, :, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys],
+                    lse[:, :, rows], scale, mask_offset,
+                )
+                dq[:, rows] += dq_part
+                kv_grads.append((keys, dk_part, dv_part))
+            _wait(dkv_pending)  # the previous rank's accumulator arrived during the compute
             # [2, b, s_local, groups, d]: dK and dV of block kv_rank, summed over earlier ranks
             dkv = dkv_arrived if dkv_arrived is not None else kv.new_zeros(kv.shape, dtype=dtype)
-            dkv[0][:, keys] += dk_part
-            dkv[1][:, keys] += dv_part
+            for keys, dk_part, dv_part in kv_grads:
+                dkv[0][:, keys] += dk_part
+                dkv[1][:, keys] += dv_part
             # Pass it on; after the last step what arrives is this rank's own, complete dK/dV.
             dkv_arrived = torch.empty_like(dkv)
             dkv_pending = ring.exchange(dkv, dkv_arrived, _DKV_TAG)
