@@ -8,6 +8,7 @@ import tempfile
 
 import torch
 import transformers
+
 from mtl.core.config_io import config_from_dict
 from mtl.core.plugins import registry
 from mtl.models.convert_hf import HFConverter

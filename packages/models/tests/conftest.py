@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from mtl.core.config import RunConfig
 from mtl.core.plugins import registry
 from mtl.parallel.topology import Topology

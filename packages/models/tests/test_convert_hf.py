@@ -4,6 +4,8 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
+
 from mtl.core.config import RunConfig
 from mtl.core.config_io import config_from_dict
 from mtl.core.errors import CheckpointError, ConfigError
@@ -11,7 +13,6 @@ from mtl.models.convert_hf import HFConverter
 from mtl.models.generate import generate
 from mtl.models.gpt import build_gpt
 from mtl.models.param_layout import load_global_state
-from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,8 +21,9 @@ VOCAB = 100  # not a multiple of 128: the converter pads and un-pads
 
 def save_gpt2(path, **overrides):
     config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, activation_function="gelu",
-        bos_token_id=0, eos_token_id=0, initializer_range=0.3, **overrides,
+        **{"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 32,
+           "activation_function": "gelu", "bos_token_id": 0, "eos_token_id": 0, "initializer_range": 0.3,
+           **overrides},
     )
     torch.manual_seed(1)
     model = transformers.GPT2LMHeadModel(config).eval()
@@ -112,6 +114,16 @@ def test_exported_config_reloads_in_transformers(tmp_path):
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, hf_model(ids).logits)
     assert json.loads((tmp_path / "back" / "config.json").read_text())["num_key_value_heads"] == 2
+
+
+def test_tanh_gelu_is_imported_with_a_warning(tmp_path, backend, single, caplog):
+    hf_model = save_gpt2(tmp_path, activation_function="gelu_new")
+    section, state = HFConverter().to_mtl(tmp_path)
+    assert "tanh-approximated GELU" in caplog.text
+    ids = torch.randint(0, VOCAB, (1, 10))
+    with torch.no_grad():
+        expected, ours = hf_model(ids).logits, mtl_model(section, state, backend, single)(ids)[..., :VOCAB]
+    assert (ours - expected).abs().max() <= 1e-2 * expected.abs().max()
 
 
 def test_bad_inputs_are_named(tmp_path):

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from mtl.core.errors import ConfigError
 from mtl.models.generate import generate
 from mtl.models.gpt import InferenceContext, build_gpt

@@ -3,6 +3,7 @@
 import math
 
 import torch
+
 from mtl.models.gpt import build_gpt
 from mtl.models.initialization import initialize_parameters
 from mtl.models.param_layout import global_layout

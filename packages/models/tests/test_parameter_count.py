@@ -1,6 +1,7 @@
 """The built model's parameters per component equal mtl.core.flops.parameter_count."""
 
 import pytest
+
 from mtl.core.flops import parameter_count
 from mtl.models.gpt import build_gpt
 

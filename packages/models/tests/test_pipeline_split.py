@@ -3,6 +3,7 @@ layer names, and a tied output weight that starts equal to the word embedding.""
 
 import pytest
 import torch
+
 from mtl.core.errors import ConfigError
 from mtl.models.gpt import build_gpt
 from mtl.models.initialization import initialize_parameters

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from mtl.core.config import RunConfig
 from mtl.core.errors import ConfigError
 from mtl.core.plugins import registry

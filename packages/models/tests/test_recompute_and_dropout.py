@@ -3,6 +3,7 @@ included: the recomputed forward must draw the same masks."""
 
 import pytest
 import torch
+
 from mtl.models.gpt import build_gpt
 from mtl.models.initialization import initialize_parameters
 from mtl.models.param_layout import gather_global_state

@@ -2,6 +2,7 @@
 loss and gathered gradients within 1e-5."""
 
 import torch
+
 from mtl.core.plugins import registry
 from mtl.models.gpt import build_gpt
 from mtl.models.initialization import initialize_parameters

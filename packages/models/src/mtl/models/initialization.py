@@ -15,9 +15,10 @@ from __future__ import annotations
 import hashlib
 
 import torch
+from torch import nn
+
 from mtl.models.gpt.layer_spec import output_init_std
 from mtl.models.param_layout import box, global_layout
-from torch import nn
 
 RESIDUAL_OUTPUT_MODULES = ("linear_proj", "linear_fc2")
 

@@ -17,8 +17,9 @@ contiguous box of it. Checkpoints, the HF converters and the initializer all use
 from __future__ import annotations
 
 import torch
-from mtl.core.errors import ParallelError
 from torch import nn
+
+from mtl.core.errors import ParallelError
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 TIED_OUTPUT = "output_layer.weight"

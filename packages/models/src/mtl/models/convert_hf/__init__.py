@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from mtl.core.errors import ConfigError
 from mtl.models.convert_hf.common import read_hf_checkpoint, write_hf_checkpoint
 from mtl.models.convert_hf.gpt2 import gpt2_from_mtl, gpt2_to_mtl

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
+
 from mtl.core.config_io import config_from_dict
 from mtl.core.errors import CheckpointError, ConfigError
-from safetensors.torch import load_file, save_file
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -108,5 +109,3 @@ def pad_vocab_rows(table: torch.Tensor, padded_vocab: int) -> torch.Tensor:
 def check_resolved(model_config) -> None:
     if model_config.padded_vocab_size is None or model_config.head_dim is None:
         raise ConfigError("from_mtl needs the resolved model config (RunConfig.resolve fills padded_vocab_size, head_dim)")
-
-

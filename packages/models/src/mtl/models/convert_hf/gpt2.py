@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 import torch
+
 from mtl.core.errors import ConfigError
 from mtl.models.convert_hf.common import (
     check_resolved,

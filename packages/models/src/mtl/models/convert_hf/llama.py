@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from mtl.core.errors import ConfigError
 from mtl.models.convert_hf.common import (
     check_resolved,

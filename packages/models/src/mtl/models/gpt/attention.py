@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+
 from mtl.core.spec import build_module
 from mtl.models.gpt.inference_context import InferenceContext
 from mtl.models.gpt.recompute import checkpointed
 from mtl.models.gpt.rope import apply_rotary
-from torch import nn
 
 
 @dataclass(frozen=True)

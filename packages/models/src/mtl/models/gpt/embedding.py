@@ -7,12 +7,13 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from mtl.parallel.random import get_rng_tracker
 from mtl.parallel.tensor_parallel import (
     VocabParallelEmbedding,
     scatter_to_sequence_parallel,
 )
-from torch import nn
 
 
 class GPTEmbedding(nn.Module):

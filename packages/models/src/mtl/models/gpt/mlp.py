@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from mtl.core.spec import build_module
 from torch import nn
+
+from mtl.core.spec import build_module
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ of ``layer_range``.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from mtl.core.config import RunConfig
 from mtl.core.errors import ConfigError
 from mtl.core.registrations import Backend
@@ -21,7 +23,6 @@ from mtl.models.gpt.rope import RotaryEmbedding
 from mtl.models.gpt.transformer_block import TransformerBlock
 from mtl.models.gpt.transformer_layer import sequence_parallel_norm_kwargs
 from mtl.parallel.tensor_parallel import vocab_parallel_cross_entropy
-from torch import nn
 
 
 class GPTModel(nn.Module):

@@ -13,8 +13,9 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from mtl.parallel.random import get_rng_tracker
 from torch.utils.checkpoint import checkpoint
+
+from mtl.parallel.random import get_rng_tracker
 
 
 def checkpointed(function: Callable[..., Any], *args: Any) -> Any:

@@ -7,11 +7,12 @@ the whole model: a checkpoint written by one pipeline split loads into any other
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from mtl.core.errors import ConfigError
 from mtl.core.spec import ModuleSpec, build_module
 from mtl.models.gpt.inference_context import InferenceContext
 from mtl.models.gpt.recompute import checkpointed
-from torch import nn
 
 
 class TransformerBlock(nn.ModuleDict):

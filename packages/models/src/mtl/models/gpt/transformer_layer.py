@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from mtl.core.spec import build_module
 from mtl.models.gpt.inference_context import InferenceContext
-from torch import nn
 
 
 @dataclass(frozen=True)
