@@ -53,7 +53,8 @@ def write_hf_checkpoint(dst_dir: str | Path, hf_config: dict[str, Any], tensors:
     dst_dir = Path(dst_dir)
     dst_dir.mkdir(parents=True, exist_ok=True)
     (dst_dir / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst_dir / SAFETENSORS), metadata={"format": "pt"})
+    cpu_tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    save_file(cpu_tensors, str(dst_dir / SAFETENSORS), metadata={"format": "pt"})
 
 
 def take(tensors: dict[str, torch.Tensor], name: str, source: str) -> torch.Tensor:
