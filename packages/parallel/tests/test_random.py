@@ -51,7 +51,7 @@ def test_misuse_raises_parallel_errors():
 
 
 def test_seed_everything_single_process_uses_megatron_offsets():
-    tracker = seed_everything(1234)
+    tracker = seed_everything(1234, device="cpu")
     drawn_default = torch.rand(2)
     with tracker.fork():
         drawn_tp = torch.rand(2)
@@ -64,7 +64,7 @@ def test_seed_everything_single_process_uses_megatron_offsets():
 
 def dropout_streams_over_tp_and_dp():
     topo = Topology.build(tp=2)  # 4 ranks: tp=2, dp=2
-    tracker = seed_everything(99, topo)
+    tracker = seed_everything(99, topo, device="cpu")
     x = torch.ones(64)
     outside = torch.nn.functional.dropout(x, p=0.5)
     with tracker.fork():

@@ -71,7 +71,14 @@ class CoreAttention(nn.Module):
         if dropout_p > 0.0 and self._tp_split:
             # fork() raises, naming seed_everything, when the stream was never seeded: silently
             # dropping the same positions on every TP rank would correlate the heads' masks
-            with get_rng_tracker().fork():
+            tracker = get_rng_tracker()
+            if tracker.device.type != q.device.type:
+                raise ParallelError(
+                    f"CoreAttention runs on {q.device} but the RNG tracker holds {tracker.device} "
+                    "streams; call mtl.parallel.random.seed_everything(seed, topology, device=...) "
+                    "with the model's device"
+                )
+            with tracker.fork():
                 return self._attend(q, k, v, dropout_p)
         return self._attend(q, k, v, dropout_p)
 
