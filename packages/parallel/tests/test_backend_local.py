@@ -150,3 +150,17 @@ def test_core_attention_bf16_on_gpu_matches_fp32_reference(s_q):
     x = torch.randn(4, 2, 64, device="cuda")
     ref_norm = x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
     torch.testing.assert_close(norm(x).double(), ref_norm, rtol=1e-5, atol=1e-5)
+
+
+def test_tp_split_attention_dropout_without_seeded_stream_names_seed_everything():
+    from mtl.parallel.random import get_rng_tracker, seed_everything
+    from mtl.parallel.topology import Topology
+
+    get_rng_tracker().reset()
+    attn = CoreAttention(num_heads=2, num_query_groups=1, head_dim=8, dropout=0.1, topology=Topology(tp=2))
+    q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 1, 8), torch.randn(1, 4, 1, 8)
+    with pytest.raises(ParallelError, match="seed_everything"):
+        attn(q, k, v)
+    attn.eval()  # no dropout at evaluation: no stream needed
+    assert attn(q, k, v).shape == (1, 4, 2, 8)
+    seed_everything(0, device="cpu")
