@@ -174,7 +174,9 @@ def main() -> None:
         "Megatron ran through `benchmarks/preprocess/run_megatron_preprocess.py` (aliases the "
         "two imports the 0.16.1 wheel lacks) with `--tokenizer-type HuggingFaceTokenizer` on the "
         "same vocab/merges (its `GPT2BPETokenizer` type resolves \"gpt2\" on the Hub, impossible "
-        "offline).",
+        "offline). Process layout: at workers=1 mtl tokenizes in its main process while "
+        "Megatron runs a pool of one plus the main process (two busy processes); at workers=N "
+        "both run N tokenizing processes plus the main one.",
         *[f"- {note}" for note in notes],
         "",
     ]

@@ -28,7 +28,7 @@ def test_round_trip_and_exact_layout(tmp_path):
     ds = IndexedDataset(prefix)
     assert len(ds) == len(docs) and ds.num_documents == len(docs)
     for i, doc in enumerate(docs):
-        assert ds[i].tolist() == doc and ds[i].dtype == np.uint16
+        assert ds[i].tolist() == doc and ds[i].dtype == np.uint16 and type(ds[i]) is np.ndarray
     assert ds.get(3, 2, 4).tolist() == docs[3][2:6]
     assert [a.tolist() for a in ds[1:4]] == docs[1:4]
     lengths = [len(d) for d in docs]

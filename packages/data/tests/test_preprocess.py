@@ -62,6 +62,13 @@ def test_bad_json_line_names_file_and_line_and_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == [source]
 
 
+def test_plain_text_that_is_not_utf8_names_the_line(tmp_path):
+    source = tmp_path / "latin1.txt"
+    source.write_bytes("fine\n".encode() + "caf\xe9\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1\.txt line 2: not UTF-8"):
+        preprocess(str(source), str(tmp_path / "out"), "byte", progress=False)
+
+
 def test_missing_key_names_the_key_and_the_keys_present(tmp_path):
     source = tmp_path / "keys.jsonl"
     source.write_text('{"content": "x", "id": 1}\n', encoding="utf-8")

@@ -185,8 +185,9 @@ class IndexedDataset:
             if self.sequence_pointers.min() < 0 or ends.max() > size:
                 raise DataError(f"{self.idx_path}: sequence pointers reach outside "
                                 f"{self.bin_path}; the index is corrupt")
-        self._bin = (np.memmap(self.bin_path, dtype=self.dtype, mode="r") if size
-                     else np.zeros(0, dtype=self.dtype))
+        # a plain ndarray over the mapped file, so slices are ndarrays, not memmaps
+        self._bin = (np.frombuffer(np.memmap(self.bin_path, dtype=np.uint8, mode="r"), self.dtype)
+                     if size else np.zeros(0, dtype=self.dtype))
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)

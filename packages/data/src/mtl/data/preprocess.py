@@ -61,7 +61,11 @@ def _document_text(line: bytes, line_no: int, job: _Job) -> str | None:
     if not line.strip():
         return None
     if not job.is_json:
-        return line.decode("utf-8").rstrip("\r\n")
+        try:
+            return line.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{job.input_path} line {line_no}: not UTF-8 text ({exc}); convert "
+                            "the file to UTF-8") from None
     try:
         record = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
