@@ -138,7 +138,9 @@ def main() -> None:
         if meg_rc != 0:
             last = meg_out.strip().splitlines()[-1]
             notes.append(f"Megatron's script exited {meg_rc} after writing its output "
-                         f"(workers={workers}): `{last}`")
+                         f"(workers={workers}): `{last}` (its main() calls "
+                         "find_optimal_num_workers(args.performance_dir) unconditionally; "
+                         "without --find-optimal-num-workers there are no results to rank)")
         same_bin = digest(mtl_prefix + ".bin") == digest(meg_bin)
         same_idx = digest(mtl_prefix + ".idx") == digest(meg_idx)
         rows.append((workers, mtl_wall, mtl_stats["seconds"], meg_wall, same_bin, same_idx,
