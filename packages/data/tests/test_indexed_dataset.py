@@ -97,3 +97,14 @@ def test_bad_files_are_named(tmp_path):
         IndexedDataset(prefix)
     with pytest.raises(DataError, match=r"nothing\.idx does not exist"):
         IndexedDataset(str(tmp_path / "nothing"))
+
+
+def test_pickling_maps_the_files_again_instead_of_copying_tokens(tmp_path):
+    import pickle
+
+    docs = [list(range(5000))] * 4
+    ds = IndexedDataset(write(tmp_path / "p", docs))
+    payload = pickle.dumps(ds)
+    assert len(payload) < 1000  # the 40 kB of tokens are not in it
+    copy = pickle.loads(payload)
+    assert [copy[i].tolist() for i in range(4)] == docs

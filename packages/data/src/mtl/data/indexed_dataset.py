@@ -189,6 +189,14 @@ class IndexedDataset:
         self._bin = (np.frombuffer(np.memmap(self.bin_path, dtype=np.uint8, mode="r"), self.dtype)
                      if size else np.zeros(0, dtype=self.dtype))
 
+    def __getstate__(self) -> dict:
+        # DataLoader workers started with 'spawn' pickle the dataset: send the prefix and map
+        # the files again on the other side instead of copying every token.
+        return {"prefix": self.prefix}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["prefix"])
+
     def __len__(self) -> int:
         return len(self.sequence_lengths)
 
