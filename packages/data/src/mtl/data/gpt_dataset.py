@@ -39,9 +39,9 @@ def build_gpt_indices(sequence_lengths: np.ndarray, sequence_ids: np.ndarray, se
                       num_samples: int | None, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(document_index, sample_index, shuffle_index) for the sequences ``sequence_ids``.
 
-    Same arrays as Megatron-Core's GPTDataset for the same seed: when the last epoch is needed
-    for fewer than 80% of its samples it is shuffled apart from the others, so that the
-    partial epoch's documents are not spread thinly over the whole run."""
+    Same arrays as Megatron-Core's GPTDataset for the same seed: when fewer than 80% of the
+    last epoch's samples are needed, that epoch is shuffled (documents and samples) apart from
+    the others and served last, so the full epochs see every document equally often."""
     rng = np.random.RandomState(seed)
     tokens_per_epoch = int(sequence_lengths[sequence_ids].sum(dtype=np.int64))
     num_epochs = epochs_needed(tokens_per_epoch, seq_length, num_samples)
