@@ -8,7 +8,7 @@ import torch
 
 from mtl.parallel.testing import run_distributed
 
-from parallel_harness import assemble, run_tiny
+from mtl.train.testing import assemble, run_tiny
 
 LAYOUTS = {
     "tp2": (2, ["parallel.tp=2"]),
@@ -34,7 +34,7 @@ def reference():
 def test_layout_matches_single_process(layout, reference):
     ref_losses, ref_grads = reference
     world, overrides = LAYOUTS[layout]
-    results = run_distributed(run_tiny, world, args=(overrides,))
+    results = run_distributed(run_tiny, world, args=(overrides, "distopt" not in layout))
     losses = next(r["losses"] for r in results if r["last_stage"])
     assert list(losses) == [1, 2, 3]
     for step, loss in losses.items():
@@ -45,5 +45,4 @@ def test_layout_matches_single_process(layout, reference):
     grads = assemble(results)
     assert set(grads) == set(ref_grads)
     for name, ref in ref_grads.items():
-        assert not torch.isnan(grads[name]).any(), f"{name}: some shard was never reported"
         torch.testing.assert_close(grads[name], ref, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=lambda m: f"{layout} {name}: {m}")

@@ -9,7 +9,7 @@ from mtl.core.config_io import load_config
 from mtl.core.errors import CheckpointError
 from mtl.train.loop import train
 
-from parallel_harness import TINY
+from mtl.train.testing import TINY
 
 BASE = [o for o in TINY if not o.startswith("train.iters")] + [
     "train.iters=20", "train.warmup_iters=3", "model.hidden_dropout=0.1", "model.attention_dropout=0.1",
@@ -37,6 +37,6 @@ def test_resume_gives_identical_losses(tmp_path):
 
 def test_resume_into_a_different_model_shape_is_refused(tmp_path):
     ckpt = tmp_path / "ckpt"
-    train(load_config(None, [*BASE, "train.iters=2", f"ckpt.save='{ckpt}'"]), progress=False)
+    train(load_config(None, [*BASE, "train.iters=2", "train.warmup_iters=0", f"ckpt.save='{ckpt}'"]), progress=False)
     with pytest.raises(CheckpointError, match=r"model.hidden_size: 32 -> 64"):
-        train(load_config(None, [*BASE, "train.iters=4", "model.hidden_size=64", f"ckpt.load='{ckpt}'"]), progress=False)
+        train(load_config(None, [*BASE, "train.iters=4", "train.warmup_iters=0", "model.hidden_size=64", f"ckpt.load='{ckpt}'"]), progress=False)

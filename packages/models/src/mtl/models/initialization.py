@@ -13,14 +13,20 @@ residual stream (attention ``linear_proj`` and MLP ``linear_fc2``) normal with
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 from torch import nn
 
-from mtl.models.gpt.layer_spec import output_init_std
 from mtl.models.param_layout import box, global_layout
 
 RESIDUAL_OUTPUT_MODULES = ("linear_proj", "linear_fc2")
+
+
+def output_init_std(config: RunConfig) -> float:
+    """Megatron's scaled init of the layers that write into the residual stream: each layer
+    adds two of them, so their std shrinks with sqrt(2 * num_layers) to keep it bounded."""
+    return config.model.init_std / math.sqrt(2.0 * config.model.num_layers)
 
 
 def parameter_seed(seed: int, global_name: str) -> int:

@@ -18,7 +18,8 @@ from mtl.core.config import RunConfig
 from mtl.core.config_io import config_diff, config_from_dict
 from mtl.core.errors import CheckpointError
 from mtl.core.log import get_logger
-from mtl.models.param_layout import global_layout
+from mtl.models.param_layout import TIED_OUTPUT, WORD_EMBEDDING, global_layout
+from mtl.parallel.random import get_rng_tracker
 from mtl.parallel.topology import Topology
 
 log = get_logger(__name__)
@@ -49,20 +50,48 @@ def model_sharded_state(chunks: list, topology: Topology) -> dict[str, ShardedTe
     return state
 
 
-def optimizer_sharded_state(optimizer, topology: Topology) -> dict[str, ShardedTensor]:
-    replica = 0 if getattr(optimizer, "is_dp_sharded", False) else _replica_id(topology)
+def _global_param_names(chunks: list) -> dict:
+    """Parameter -> its global name (a tied output copy is stored as the word embedding)."""
+    names = {}
+    for chunk in chunks:
+        for name, param in _unwrap(chunk).named_parameters():
+            tied = name == TIED_OUTPUT and getattr(param, "shared_embedding", False)
+            names[param] = WORD_EMBEDDING if tied else name
+    return names
+
+
+def optimizer_sharded_state(optimizer, topology: Topology, chunks: list) -> dict[str, ShardedTensor]:
+    # The distributed optimizer shards over the whole dp x cp group: every rank writes its own
+    # piece. Replicated state is written by one rank of each dp x cp group.
+    replica = 0 if optimizer.is_dp_sharded else _replica_id(topology)
     state = {}
-    for name, (tensor, global_shape, offset) in optimizer.sharded_state("optimizer").items():
+    for name, (tensor, global_shape, offset) in optimizer.sharded_state("optimizer", _global_param_names(chunks)).items():
         state[name] = ShardedTensor(key=name, data=tensor, global_shape=tuple(global_shape),
                                     global_offset=tuple(offset), replica_id=replica)
     return state
 
 
-def rng_sharded_state(topology: Topology) -> dict[str, ShardedTensor]:
-    """Per-rank RNG states, as rows of a [world_size, n] uint8 array."""
+def _rng_states() -> dict[str, torch.Tensor]:
+    """The default generators and every stream of the tensor-parallel tracker, as uint8."""
     states = {"rng.cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["rng.cuda"] = torch.cuda.get_rng_state()
+    for name, state in get_rng_tracker().get_states().items():
+        states[f"rng.tracker.{name}"] = state.cpu()
+    return states
+
+
+def _restore_rng_states(states: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(states.pop("rng.cpu"))
+    if "rng.cuda" in states:
+        torch.cuda.set_rng_state(states.pop("rng.cuda"))
+    tracker = get_rng_tracker()
+    tracker.set_states({key.removeprefix("rng.tracker."): value for key, value in states.items()})
+
+
+def rng_sharded_state(topology: Topology) -> dict[str, ShardedTensor]:
+    """Per-rank RNG states, as rows of a [world_size, n] uint8 array."""
+    states = _rng_states()
     out = {}
     for key, value in states.items():
         row = value.view(1, -1)
@@ -85,14 +114,14 @@ def save_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimiz
                     consumed_samples: int, scaler_state: dict, saver=None) -> None:
     state: dict[str, Any] = {
         **model_sharded_state(chunks, topology),
-        **optimizer_sharded_state(optimizer, topology),
+        **optimizer_sharded_state(optimizer, topology, chunks),
         **rng_sharded_state(topology),
     }
     metadata = {
         "iteration": iteration,
         "consumed_samples": consumed_samples,
         "loss_scaler": scaler_state,
-        "optimizer_common": optimizer.common_state() if hasattr(optimizer, "common_state") else {},
+        "optimizer_common": optimizer.common_state(),
         "config": config.to_dict(),
         "versions": software_versions(),
         "world_size": topology.world_size,
@@ -135,16 +164,13 @@ def load_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimiz
         for k in ("tp", "pp", "vpp", "cp", "distributed_optimizer")
     )
     if load_optimizer:
-        if hasattr(optimizer, "materialize_state"):
-            optimizer.materialize_state()
-        template.update(optimizer_sharded_state(optimizer, topology))
+        template.update(optimizer_sharded_state(optimizer, topology, chunks))
     if same_layout:
         template.update(rng_sharded_state(topology))
     ckpt_load(template, directory, iteration)
     if same_layout:
-        torch.set_rng_state(template["rng.cpu"].data.view(-1).clone())
-        if "rng.cuda" in template:
-            torch.cuda.set_rng_state(template["rng.cuda"].data.view(-1).clone())
-    if load_optimizer and hasattr(optimizer, "load_common_state"):
-        optimizer.load_common_state(metadata.get("optimizer_common", {}))
+        _restore_rng_states({key: value.data.view(-1).clone() for key, value in template.items()
+                             if key.startswith("rng.")})
+    if load_optimizer:
+        optimizer.load_common_state(metadata["optimizer_common"])
     return metadata

@@ -13,6 +13,7 @@ from mtl.core.config import RunConfig
 from mtl.core.log import get_logger
 from mtl.core.plugins import registry
 from mtl.parallel.distributed import init_distributed
+from mtl.parallel.random import seed_everything as seed_rng_streams
 from mtl.parallel.topology import Topology
 
 log = get_logger(__name__)
@@ -34,10 +35,12 @@ def build_tokenizer(config: RunConfig):
     return spec.build(config.data.tokenizer_model)
 
 
-def seed_everything(seed: int) -> None:
+def seed_everything(seed: int, topology: Topology, device: torch.device) -> None:
+    """Python, NumPy, torch, and the tensor-parallel dropout streams (Megatron's rules:
+    pipeline stages offset the default seed, TP ranks get their own model-parallel stream)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    seed_rng_streams(seed, topology, device)
 
 
 def build_model_chunks(config: RunConfig, topology: Topology, device: torch.device) -> list[torch.nn.Module]:
@@ -112,7 +115,7 @@ def setup(config: RunConfig) -> Run:
     config = config.resolve(world_size=world_size, tokenizer_vocab_size=tokenizer.vocab_size)
     p = config.parallel
     topology = Topology.build(tp=p.tp, pp=p.pp, cp=p.cp, vpp=p.vpp, ep=p.ep)
-    seed_everything(config.train.seed)
+    seed_everything(config.train.seed, topology, device)
     chunks = build_model_chunks(config, topology, device)
     ddp_chunks = wrap_data_parallel(config, topology, chunks)
     optimizer = build_optimizer(config, topology, ddp_chunks)

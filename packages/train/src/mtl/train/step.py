@@ -90,7 +90,6 @@ def _mean_loss(loss_dicts: list[dict], topology: Topology, device: torch.device)
 
 def train_step(config: RunConfig, topology: Topology, chunks: list, optimizer, batches_per_chunk,
                scaler: LossScaler, lr: float, device: torch.device) -> StepResult:
-    from mtl.parallel.optimizer import clip_grad_norm
     from mtl.parallel.pipeline import allreduce_shared_embedding_grads
 
     for chunk in chunks:
@@ -101,14 +100,12 @@ def train_step(config: RunConfig, topology: Topology, chunks: list, optimizer, b
         chunk.finish_grad_sync()
     allreduce_shared_embedding_grads(chunks, topology)
 
-    params = [p for chunk in chunks for p in chunk.parameters() if p.grad is not None]
     if scaler.scale != 1.0:
-        for p in params:
-            p.grad.mul_(1.0 / scaler.scale)
+        for p in optimizer.model_params:
+            if p.grad is not None:
+                p.grad.mul_(1.0 / scaler.scale)
     max_norm = config.train.clip_grad if config.train.clip_grad > 0 else float("inf")
-    grad_norm = float(clip_grad_norm(
-        params, max_norm, topology, grads_are_dp_sharded=config.parallel.distributed_optimizer,
-    ))
+    grad_norm = float(optimizer.clip_grad_norm(max_norm))
     found_inf = not torch.isfinite(torch.tensor(grad_norm)).item()
     skipped = scaler.update(found_inf)
     if not skipped:

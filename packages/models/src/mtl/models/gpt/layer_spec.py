@@ -7,23 +7,17 @@ tree.
 
 from __future__ import annotations
 
-import math
 
 from mtl.core.config import RunConfig
 from mtl.core.registrations import Backend
 from mtl.core.spec import ModuleSpec
 from mtl.models.gpt.attention import SelfAttention, SelfAttentionSubmodules
 from mtl.models.gpt.mlp import MLP, MLPSubmodules
+from mtl.models.initialization import output_init_std
 from mtl.models.gpt.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
 )
-
-
-def output_init_std(config: RunConfig) -> float:
-    """Megatron's scaled init of the layers that write into the residual stream: each layer
-    adds two of them, so their std shrinks with sqrt(2 * num_layers) to keep it bounded."""
-    return config.model.init_std / math.sqrt(2.0 * config.model.num_layers)
 
 
 def norm_spec(config: RunConfig, backend: Backend, size: int) -> ModuleSpec:

@@ -22,6 +22,7 @@ from mtl.models.gpt.layer_spec import layer_spec, norm_spec
 from mtl.models.gpt.rope import RotaryEmbedding
 from mtl.models.gpt.transformer_block import TransformerBlock
 from mtl.models.gpt.transformer_layer import sequence_parallel_norm_kwargs
+from mtl.models.initialization import initialize_parameters
 from mtl.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
 
@@ -153,7 +154,11 @@ def build_gpt(
     post_process: bool = True,
     layer_range: tuple[int, int] | None = None,
 ) -> GPTModel:
-    """A GPT model (or one pipeline stage of it) from a resolved config, with the backend's leaves."""
-    return GPTModel(
+    """A GPT model (or one pipeline stage of it) from a resolved config, with the backend's
+    leaves, initialized from ``config.train.seed`` so that every parallel layout starts from
+    the same global weights (``mtl.models.initialization``)."""
+    model = GPTModel(
         config, topology, backend, pre_process=pre_process, post_process=post_process, layer_range=layer_range
     )
+    initialize_parameters(model, config.train.seed, topology)
+    return model
