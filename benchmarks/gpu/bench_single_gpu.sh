@@ -7,6 +7,6 @@ bash benchmarks/gpu/setup.sh
 export PYTHONUNBUFFERED=1
 ITERS=${ITERS:-10}
 for model in llama gpt2; do
-  python3 -m mtl.cli train "benchmarks/gpu/${model}_reference.toml" --set train.iters=$ITERS "$@"
+  python3 -m mtl.cli train "benchmarks/gpu/${model}_reference.toml" --set train.iters=$ITERS "$@" 2>&1 | tee "${OUT:-.}/${model}.log" | tail -5
 done
 python3 benchmarks/gpu/summarize.py llama=runs/bench_llama/metrics.jsonl gpt2=runs/bench_gpt2/metrics.jsonl | tee "${OUT:-.}/single_gpu.md"

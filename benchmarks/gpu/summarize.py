@@ -1,5 +1,6 @@
-"""Summarise metrics.jsonl files of benchmark runs as a markdown table (steady state:
-the median over iterations after the first `--skip`)."""
+"""Summarise the metrics.jsonl files of benchmark runs as a markdown table: the median over
+the iterations after the first ``--skip`` (warm-up), and, with ``--baseline NAME``, the
+scaling efficiency of each run's tokens/s per GPU against that run's."""
 
 import argparse
 import json
@@ -7,20 +8,33 @@ import statistics
 from pathlib import Path
 
 
+def steady_state(path: str, skip: int) -> dict[str, float]:
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if '"tokens_per_s"' in line]
+    if not rows:
+        raise SystemExit(f"{path}: no logged steps")
+    steady = rows[skip:] or rows
+    keys = {k for r in steady for k, v in r.items() if isinstance(v, (int, float))}
+    summary = {k: statistics.median(r[k] for r in steady if k in r) for k in keys}
+    summary["mem_gb"] = max(r.get("mem_gb", 0.0) for r in rows)
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("runs", nargs="+", help="NAME=PATH/metrics.jsonl")
     parser.add_argument("--skip", type=int, default=3)
+    parser.add_argument("--baseline", help="NAME of the one-GPU run to compute scaling efficiency against")
     args = parser.parse_args()
-    print("| run | s/iter | tokens/s | TFLOP/s/GPU | MFU | peak mem GiB |")
-    print("|---|---|---|---|---|---|")
-    for item in args.runs:
-        name, path = item.split("=", 1)
-        rows = [json.loads(l) for l in Path(path).read_text().splitlines() if '"tokens_per_s"' in l]
-        rows = rows[args.skip:] or rows
-        med = lambda k: statistics.median(r[k] for r in rows if k in r) if any(k in r for r in rows) else float("nan")
-        print(f"| {name} | {med('iter_s'):.3f} | {med('tokens_per_s'):,.0f} | {med('tflops_per_gpu'):.1f} | "
-              f"{100 * med('mfu'):.1f}% | {max(r.get('mem_gb', 0) for r in rows):.1f} |")
+    runs = {name: steady_state(path, args.skip) for name, path in (item.split("=", 1) for item in args.runs)}
+    base = runs[args.baseline]["tokens_per_s_per_gpu"] if args.baseline else None
+    print("| run | s/iter | tokens/s | tokens/s/GPU | TFLOP/s/GPU | MFU | peak mem GiB |" + (" scaling eff. |" if base else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if base else ""))
+    for name, m in runs.items():
+        line = (f"| {name} | {m['iter_s']:.3f} | {m['tokens_per_s']:,.0f} | {m.get('tokens_per_s_per_gpu', float('nan')):,.0f} | "
+                f"{m['tflops_per_gpu']:.1f} | {100 * m.get('mfu', float('nan')):.1f}% | {m['mem_gb']:.1f} |")
+        if base:
+            line += f" {100 * m['tokens_per_s_per_gpu'] / base:.0f}% |"
+        print(line)
 
 
 if __name__ == "__main__":

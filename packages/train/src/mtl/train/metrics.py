@@ -14,6 +14,7 @@ def throughput(config: RunConfig, seconds_per_iteration: float) -> dict[str, flo
     tflops = flops_per_iteration(config) / seconds_per_iteration / config.parallel.world_size / 1e12
     out = {
         "tokens_per_s": tokens / seconds_per_iteration,
+        "tokens_per_s_per_gpu": tokens / seconds_per_iteration / config.parallel.world_size,
         "tflops_per_gpu": tflops,
         "iter_s": seconds_per_iteration,
     }

@@ -22,6 +22,22 @@ TINY = [
 ]
 
 
+# The layouts the equivalence checks cover: name -> (world size, config overrides).
+LAYOUTS = {
+    "tp2": (2, ["parallel.tp=2"]),
+    "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "pp2": (2, ["parallel.pp=2"]),
+    "pp2_vpp2": (2, ["parallel.pp=2", "parallel.vpp=2"]),
+    "dp2": (2, []),
+    "dp2_distopt": (2, ["parallel.distributed_optimizer=true"]),
+    "cp2": (2, ["parallel.cp=2"]),
+    "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
+}
+# fp32: the layouts sum the same numbers in a different order, nothing more.
+LOSS_RTOL = 1e-5
+GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-4
+
+
 def run_tiny(overrides: list[str], with_grads: bool = True) -> dict:
     cfg = load_config(None, [*TINY, *overrides])
     result = train(cfg, progress=False)
@@ -29,8 +45,37 @@ def run_tiny(overrides: list[str], with_grads: bool = True) -> dict:
     grads: dict[str, torch.Tensor] = {}
     if with_grads:
         for chunk in run.chunks:  # TP-gathered; each pipeline stage reports its own layers
-            grads.update(gather_global_state(getattr(chunk, "module", chunk), run.topology, grads=True))
+            gathered = gather_global_state(getattr(chunk, "module", chunk), run.topology, grads=True)
+            grads.update({name: grad.cpu() for name, grad in gathered.items()})
     return {"losses": result.losses, "grads": grads, "last_stage": run.topology.is_last_stage}
+
+
+def run_layout(layout: str, extra: list[str] = (), backend: str = "gloo") -> list[dict]:
+    """Run one of ``LAYOUTS`` on its world size; gradients are skipped for the distributed
+    optimizer (they are reduce-scattered: each rank keeps only its shard's)."""
+    from mtl.parallel.testing import run_distributed
+
+    world, overrides = LAYOUTS[layout]
+    return run_distributed(run_tiny, world, args=([*overrides, *extra], "distopt" not in layout), backend=backend)
+
+
+def compare_with_reference(layout: str, results: list[dict], reference: dict) -> dict[str, float]:
+    """Assert that a layout's losses and full-shape gradients equal the one-process
+    reference within the tolerances above; returns the largest differences seen."""
+    losses = next(r["losses"] for r in results if r["last_stage"])
+    ref_losses = reference["losses"]
+    assert list(losses) == list(ref_losses), f"{layout}: steps {list(losses)} vs {list(ref_losses)}"
+    loss_diff = max(abs(losses[s] - ref_losses[s]) / max(1.0, abs(ref_losses[s])) for s in ref_losses)
+    assert loss_diff < LOSS_RTOL, f"{layout}: losses {losses} vs one process {ref_losses}"
+    grad_diff = 0.0
+    if "distopt" not in layout:
+        grads, ref_grads = assemble(results), assemble([reference])
+        assert set(grads) == set(ref_grads), f"{layout}: parameters differ: {set(grads) ^ set(ref_grads)}"
+        for name, ref in ref_grads.items():
+            torch.testing.assert_close(grads[name], ref, atol=GRAD_ATOL, rtol=GRAD_RTOL,
+                                       msg=lambda m, name=name: f"{layout} {name}: {m}")
+            grad_diff = max(grad_diff, (grads[name] - ref).abs().max().item())
+    return {"loss_rel_diff": loss_diff, "grad_abs_diff": grad_diff}
 
 
 def assemble(per_rank: list[dict]) -> dict[str, torch.Tensor]:
