@@ -41,22 +41,29 @@ def mtl_model_families() -> list[ModelFamily]:
 
 @hookspec
 def mtl_tokenizers() -> list[TokenizerSpec]:
-    """Return the tokenizers this plugin provides. Selected by ``data.tokenizer``."""
+    """Return the tokenizers this plugin provides. Selected by ``data.tokenizer`` (its file by
+    ``data.tokenizer_model``) and by ``mtl preprocess``."""
 
 
 @hookspec
 def mtl_datasets() -> list[DatasetSpec]:
-    """Return the datasets this plugin provides (``gpt``, ``mock``). Selected by ``data.dataset``."""
+    """Return the datasets this plugin provides (``gpt``, ``mock``). Selected by ``data.dataset``;
+    built once per split with ``build(config, tokenizer, split, num_samples)``."""
 
 
 @hookspec
 def mtl_checkpoint_formats() -> list[CheckpointFormat]:
-    """Return checkpoint storage formats. Selected by ``ckpt.format``."""
+    """Return checkpoint storage formats (``zarr``), listed by ``mtl plugins``.
+
+    ``ckpt.format`` names one, but mtl-train and ``mtl convert`` currently call mtl.ckpt's
+    save/load directly and do not look the format up here."""
 
 
 @hookspec
 def mtl_train_callbacks() -> list[TrainCallback]:
-    """Return training callbacks (metric sinks). Enabled by name in ``logging.callbacks``."""
+    """Return training callbacks (metric sinks). Enabled by name in ``logging.callbacks``
+    (``logging.tensorboard = true`` adds ``tensorboard``); only the rank that writes metrics
+    builds them."""
 
 
 @hookspec
