@@ -94,3 +94,20 @@ def test_unsupported_settings_are_refused_by_name():
     EagerAttention(**base, dropout=0.1, topology=SimpleNamespace(tp=1, cp=1))
     EagerAttention(**base, dropout=0.0, topology=SimpleNamespace(tp=2, cp=1))
 
+
+
+def _train_losses(overrides: list[str]) -> dict[int, float]:
+    """Runs on every spawned rank (module level, so run_distributed can find it)."""
+    return train(load_config(None, [*TINY, *overrides]), progress=False).losses
+
+
+def test_eager_at_tp2_trains_like_one_process():
+    """Each TP rank attends over its own heads with the eager attention; the losses match."""
+    from mtl.parallel.testing import run_distributed
+
+    one = _losses("eager")
+    per_rank = run_distributed(_train_losses, 2, args=(["model.backend='eager'", "parallel.tp=2"],))
+    for losses in per_rank:
+        assert sorted(losses) == [1, 2, 3]
+        for step in losses:
+            assert losses[step] == pytest.approx(one[step], rel=1e-5), f"step {step}: tp2 {losses[step]} tp1 {one[step]}"
