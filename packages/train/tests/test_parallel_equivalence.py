@@ -18,3 +18,15 @@ def reference():
 def test_layout_matches_single_process(layout, reference):
     assert reference["losses"] and reference["grads"]
     compare_with_reference(layout, run_layout(layout), reference)
+
+
+def test_pipeline_under_bf16_matches_single_process():
+    """Under bf16 autocast the stages exchange the fp32 residual stream; pp=2 must train like
+    one process (the bf16 matmuls are the same ones, so the losses agree closely)."""
+    bf16 = ["train.precision='bf16'"]
+    (single,) = run_distributed(run_tiny, 1, args=(bf16, False))
+    piped = run_distributed(run_tiny, 2, args=([*bf16, "parallel.pp=2"], False))
+    losses = next(r["losses"] for r in piped if r["last_stage"])
+    assert losses.keys() == single["losses"].keys()
+    for step, loss in single["losses"].items():
+        assert abs(losses[step] - loss) < 1e-3 * abs(loss), (step, losses[step], loss)

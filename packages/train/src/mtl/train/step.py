@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from mtl.core.config import RunConfig
 from mtl.parallel.topology import Topology
-from mtl.train.precision import DTYPES, LossScaler, autocast
+from mtl.train.precision import LossScaler, autocast
 
 
 @dataclass
@@ -53,7 +53,10 @@ def _tensor_shape(config: RunConfig) -> tuple[int, int, int]:
 def _run_schedule(config, topology, chunks, batches_per_chunk, forward_step, forward_only):
     from mtl.parallel.pipeline import forward_backward
 
-    dtype = torch.float32 if config.train.precision == "fp32" else DTYPES[config.train.precision]
+    # Parameters stay fp32 and bf16/fp16 come from autocast, so the residual stream a stage
+    # hands to the next is fp32 in every precision; sending it rounded would make pipelined
+    # runs differ from one GPU.
+    dtype = torch.float32
 
     def no_sync():
         import contextlib
