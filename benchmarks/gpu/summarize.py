@@ -26,6 +26,8 @@ def main() -> None:
     parser.add_argument("--baseline", help="NAME of the one-GPU run to compute scaling efficiency against")
     args = parser.parse_args()
     runs = {name: steady_state(path, args.skip) for name, path in (item.split("=", 1) for item in args.runs)}
+    if args.baseline and args.baseline not in runs:
+        raise SystemExit(f"--baseline {args.baseline}: no such run (have {', '.join(runs)})")
     base = runs[args.baseline]["tokens_per_s_per_gpu"] if args.baseline else None
     print("| run | s/iter | tokens/s | tokens/s/GPU | TFLOP/s/GPU | MFU | peak mem GiB |" + (" scaling eff. |" if base else ""))
     print("|---|---|---|---|---|---|---|" + ("---|" if base else ""))
