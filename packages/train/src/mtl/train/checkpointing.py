@@ -33,41 +33,65 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return getattr(chunk, "module", chunk)
 
 
-def _replica_id(topology: Topology) -> int:
-    """0 on the one rank that writes a model-parallel shard; DP/CP copies hold the same values."""
-    return topology.dp_rank * topology.cp + topology.cp_rank
+def _replica_id(topology: Topology, param: torch.nn.Parameter, local_name: str, dp_sharded: bool = False) -> int:
+    """0 on the one rank that writes this tensor, 1 on the ranks that hold a copy of it.
+
+    Copies are: data/context-parallel replicas (unless the state is sharded over dp x cp, as
+    the distributed optimizer's is), tensor-parallel replicas of parameters TP does not split
+    (norms, row-parallel biases), and the last pipeline stage's copy of a tied embedding."""
+    coordinates = [] if dp_sharded else [topology.dp_rank, topology.cp_rank]
+    if topology.tp > 1 and getattr(param, "tp_split_dim", None) is None:
+        coordinates.append(topology.tp_rank)
+    tied_copy = local_name == TIED_OUTPUT and getattr(param, "shared_embedding", False)
+    return int(any(coordinates) or tied_copy)
 
 
 def model_sharded_state(chunks: list, topology: Topology) -> dict[str, ShardedTensor]:
-    replica = _replica_id(topology)
     state: dict[str, ShardedTensor] = {}
     for chunk in chunks:
-        for name, (local, global_shape, offset) in global_layout(_unwrap(chunk), topology).items():
+        model = _unwrap(chunk)
+        params = dict(model.named_parameters())
+        local_names = _local_names(model)
+        for name, (local, global_shape, offset) in global_layout(model, topology).items():
+            local_name = local_names[name]
             state[f"model.{name}"] = ShardedTensor(
-                key=f"model.{name}", data=local, global_shape=tuple(global_shape),
-                global_offset=tuple(offset), replica_id=replica,
+                key=f"model.{name}", data=local, global_shape=tuple(global_shape), global_offset=tuple(offset),
+                replica_id=_replica_id(topology, params[local_name], local_name),
             )
     return state
+
+
+def _local_names(model: torch.nn.Module) -> dict[str, str]:
+    """Global name -> the parameter's name in this model (they differ for a tied output copy)."""
+    out = {}
+    for name, param in model.named_parameters():
+        tied = name == TIED_OUTPUT and getattr(param, "shared_embedding", False)
+        out[WORD_EMBEDDING if tied else name] = name
+    return out
 
 
 def _global_param_names(chunks: list) -> dict:
     """Parameter -> its global name (a tied output copy is stored as the word embedding)."""
     names = {}
     for chunk in chunks:
-        for name, param in _unwrap(chunk).named_parameters():
-            tied = name == TIED_OUTPUT and getattr(param, "shared_embedding", False)
-            names[param] = WORD_EMBEDDING if tied else name
+        for global_name, local_name in _local_names(_unwrap(chunk)).items():
+            names[_unwrap(chunk).get_parameter(local_name)] = global_name
     return names
 
 
 def optimizer_sharded_state(optimizer, topology: Topology, chunks: list) -> dict[str, ShardedTensor]:
-    # The distributed optimizer shards over the whole dp x cp group: every rank writes its own
-    # piece. Replicated state is written by one rank of each dp x cp group.
-    replica = 0 if optimizer.is_dp_sharded else _replica_id(topology)
+    # The distributed optimizer shards over the whole dp x cp group, so every rank of it writes
+    # its own piece; TP and tied-embedding copies follow the parameter's own replication.
+    global_names = _global_param_names(chunks)
+    by_global = {}  # global name -> (parameter, its local name) on this rank
+    for chunk in chunks:
+        for local_name, param in _unwrap(chunk).named_parameters():
+            by_global[global_names[param]] = (param, local_name)
     state = {}
-    for name, (tensor, global_shape, offset) in optimizer.sharded_state("optimizer", _global_param_names(chunks)).items():
-        state[name] = ShardedTensor(key=name, data=tensor, global_shape=tuple(global_shape),
-                                    global_offset=tuple(offset), replica_id=replica)
+    for key, (tensor, global_shape, offset) in optimizer.sharded_state("optimizer", global_names).items():
+        param, local_name = by_global[key.removeprefix("optimizer.").rsplit(".", 1)[0]]
+        state[key] = ShardedTensor(key=key, data=tensor, global_shape=tuple(global_shape), global_offset=tuple(offset),
+                                   replica_id=_replica_id(topology, param, local_name, optimizer.is_dp_sharded))
     return state
 
 
