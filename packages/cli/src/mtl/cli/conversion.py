@@ -3,12 +3,13 @@ config keys; this module does the file I/O (mtl.ckpt) and carries tokenizer file
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import torch
 
-from mtl.ckpt import save as ckpt_save
+from mtl.ckpt import read_metadata, save as ckpt_save
 from mtl.core.config import RunConfig
 from mtl.core.config_io import config_from_dict
 from mtl.core.errors import CheckpointError, ConfigError
@@ -40,6 +41,19 @@ def _detect_tokenizer(directory: Path) -> tuple[str, str | None]:
     return "byte", None
 
 
+HF_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _hf_token_ids(src_dir: Path) -> dict:
+    """The special-token ids of an HF config.json: our model config has no place for them,
+    so the checkpoint's metadata carries them back to the exported config.json."""
+    try:
+        hf_config = json.loads((src_dir / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{src_dir / 'config.json'} is not readable JSON: {exc}") from exc
+    return {key: hf_config[key] for key in HF_TOKEN_ID_KEYS if key in hf_config}
+
+
 def hf_to_mtl(src: str, dst: str, family: str = "gpt") -> RunConfig:
     src_dir, dst_dir = Path(src), Path(dst)
     if not (src_dir / "config.json").exists():
@@ -68,18 +82,30 @@ def hf_to_mtl(src: str, dst: str, family: str = "gpt") -> RunConfig:
             if (src_dir / name).exists():
                 shutil.copy2(src_dir / name, dst_dir / "tokenizer" / name)
     metadata = {"iteration": 0, "consumed_samples": 0, "model_only": True, "config": cfg.to_dict(),
-                "versions": software_versions(), "world_size": 1, "converted_from": str(src_dir)}
+                "versions": software_versions(), "world_size": 1, "converted_from": str(src_dir),
+                "hf_token_ids": _hf_token_ids(src_dir)}
     ckpt_save(model_sharded_state([model], Topology.single()), dst_dir, 0, metadata)
     return cfg
 
 
-def mtl_to_hf(src: str, dst: str, family: str = "gpt") -> None:
+def mtl_to_hf(src: str, dst: str, family: str | None = None) -> None:
+    """Export an mtl checkpoint as ``config.json`` + ``model.safetensors`` (+ tokenizer files).
+    ``family`` defaults to the one the checkpoint's config names."""
     src_dir, dst_dir = Path(src), Path(dst)
-    model, _, cfg = load_for_inference(src_dir)
+    model, tokenizer, cfg = load_for_inference(src_dir)
     state = {name: local.detach().clone().view(global_shape)
              for name, (local, global_shape, _) in global_layout(model, Topology.single()).items()}
     dst_dir.mkdir(parents=True, exist_ok=True)
-    _converter(family, "hf").from_mtl(cfg.model, state, dst_dir)
+    _converter(family or cfg.model.family, "hf").from_mtl(cfg.model, state, dst_dir)
+    # Special-token ids: those of the HF checkpoint this one was converted from, else the
+    # tokenizer's end-of-document token (the exporters write none, and transformers'
+    # defaults, e.g. GPT-2's 50256, can lie outside a smaller vocabulary).
+    token_ids = read_metadata(str(src_dir)).get("hf_token_ids") or {
+        "bos_token_id": tokenizer.eod, "eos_token_id": tokenizer.eod}
+    config_path = dst_dir / "config.json"
+    hf_config = json.loads(config_path.read_text())
+    hf_config.update(token_ids)
+    config_path.write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     if (src_dir / "tokenizer").is_dir():
         for path in (src_dir / "tokenizer").iterdir():
             shutil.copy2(path, dst_dir / path.name)

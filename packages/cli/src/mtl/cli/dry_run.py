@@ -21,9 +21,15 @@ def module_tree(module: torch.nn.Module, max_depth: int = 3) -> list[str]:
     def count(m: torch.nn.Module) -> int:
         return sum(p.numel() for p in m.parameters())
 
+    seen: set[int] = set()  # parameters already shown (tied embeddings appear twice)
+
     def walk(m: torch.nn.Module, name: str, depth: int) -> None:
-        lines.append(f"{'  ' * depth}{name} ({type(m).__name__}): {count(m):,}")
+        params = list(m.parameters())
+        shared = params and all(id(p) in seen for p in params)
+        note = " (shared, counted above)" if shared and depth > 0 else ""
+        lines.append(f"{'  ' * depth}{name} ({type(m).__name__}): {count(m):,}{note}")
         if depth >= max_depth:
+            seen.update(id(p) for p in params)
             return
         children = list(m.named_children())
         i = 0
@@ -39,9 +45,18 @@ def module_tree(module: torch.nn.Module, max_depth: int = 3) -> list[str]:
             else:
                 walk(child, child_name, depth + 1)
             i = j + 1
+        seen.update(id(p) for p in params)  # after the children: they compare with earlier subtrees
 
     walk(module, "model", 0)
     return lines
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
 
 
 def dry_run(cfg: RunConfig) -> str:
@@ -53,6 +68,7 @@ def dry_run(cfg: RunConfig) -> str:
     family = registry("model family").get(cfg.model.family)
     with torch.device("meta"):  # shapes only: no memory, no initialisation cost
         model = family.build(cfg, Topology.single(), backend)
+    p = cfg.parallel  # resolved: world_size and dp are known now
     counts = parameter_count(cfg)
     flops = flops_per_iteration(cfg)
     memory = memory_per_gpu_bytes(cfg)
@@ -61,7 +77,8 @@ def dry_run(cfg: RunConfig) -> str:
     out += ["", "# parameters per component"]
     out += [f"{name:>14}: {value:,}" for name, value in counts.items()]
     out += ["", f"FLOPs per iteration: {flops:.4e} ({flops / 1e12:.2f} TFLOP, Megatron's count)",
+            f"parameters: {counts['total']:,}",
             f"world size {p.world_size}: tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp}; "
             f"{cfg.train.num_micro_batches} micro-batches of {cfg.train.micro_batch_size} per step",
-            "estimated memory per GPU: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in memory.items())]
+            "estimated memory per GPU: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in memory.items())]
     return "\n".join(out)

@@ -16,8 +16,27 @@ from mtl.cli.commands.train import train
 from mtl.core.errors import MtlError
 
 
+class MtlCommandError(click.ClickException):
+    """An :class:`MtlError` as click shows it: one line, ``error: ...``, exit status 2."""
+
+    exit_code = 2
+
+    def show(self, file=None) -> None:
+        click.secho(f"error: {self.format_message()}", fg="red", err=True, file=file)
+
+
 class MtlGroup(click.Group):
-    """Adds plugin commands lazily, so a broken plugin cannot break ``mtl --help``'s built-ins."""
+    """Adds plugin commands lazily, so a broken plugin cannot break ``mtl --help``'s built-ins,
+    and turns :class:`MtlError` into a one-line message (a traceback only with ``--debug``),
+    whether ``mtl`` runs as a script or is invoked in-process (``click.testing.CliRunner``)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except MtlError as exc:
+            if (ctx.obj or {}).get("debug"):
+                raise
+            raise MtlCommandError(str(exc)) from exc
 
     def _plugin_commands(self) -> dict:
         from mtl.core.plugins import registry
@@ -48,19 +67,16 @@ for command in (train, preprocess, generate, convert, plugins, ckpt, demo):
 
 
 def main(argv=None) -> None:
-    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
-        cli.main(args=argv, prog_name="mtl", standalone_mode=False)
-    except MtlError as exc:
-        if debug:
-            raise
-        click.secho(f"error: {exc}", fg="red", err=True)
-        sys.exit(2)
+        rv = cli.main(args=argv, prog_name="mtl", standalone_mode=False)
     except click.exceptions.Abort:
+        click.echo("aborted", err=True)
         sys.exit(1)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
+    # standalone_mode=False returns the exit code of ``--help``/``--version`` style exits
+    sys.exit(rv if isinstance(rv, int) else 0)
 
 
 if __name__ == "__main__":

@@ -2,16 +2,59 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from mtl.core.errors import ConfigError
 from mtl.models.generate import generate
 from mtl.train.inference import load_for_inference
 
 
-def generate_text(checkpoint: str, prompt: str, *, max_new_tokens: int = 64, temperature: float = 1.0,
-                  top_k: int = 0, seed: int = 0, device: str = "cpu") -> str:
-    model, tokenizer, _ = load_for_inference(checkpoint, device=torch.device(device))
+@dataclass(frozen=True)
+class Generation:
+    text: str  # the prompt followed by the continuation
+    prompt_ids: list[int]
+    new_ids: list[int]
+
+
+def parse_device(device: str) -> torch.device:
+    """``--device`` as a torch device that exists on this machine, else a ConfigError."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError(f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {device!r}: CUDA is not available here; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+def continuation_text(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
+    """The text the new tokens add after the prompt. Decoding them on their own loses what
+    depends on context (word-level tokenizers join tokens with spaces, a byte-level token may
+    finish a character the prompt began), so decode prompt + continuation and drop the
+    decoded prompt when it is a prefix."""
+    whole = tokenizer.decode(list(prompt_ids) + list(new_ids))
+    head = tokenizer.decode(list(prompt_ids))
+    if whole.startswith(head):
+        return whole[len(head):]
+    return tokenizer.decode(list(new_ids))
+
+
+def generate_from_checkpoint(checkpoint: str, prompt: str, *, max_new_tokens: int = 64, temperature: float = 1.0,
+                             top_k: int = 0, seed: int = 0, device: str = "cpu") -> Generation:
+    dev = parse_device(device)
+    model, tokenizer, _ = load_for_inference(checkpoint, device=dev)
     prompt_ids = tokenizer.encode(prompt)
+    if not prompt_ids:
+        raise ConfigError(f"--prompt {prompt!r} encodes to no tokens; give a non-empty prompt")
     new_ids = generate(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
                        eod=tokenizer.eod, seed=seed)
-    return prompt + tokenizer.decode(new_ids)
+    return Generation(prompt + continuation_text(tokenizer, prompt_ids, new_ids), list(prompt_ids), list(new_ids))
+
+
+def generate_text(checkpoint: str, prompt: str, **kwargs) -> str:
+    return generate_from_checkpoint(checkpoint, prompt, **kwargs).text

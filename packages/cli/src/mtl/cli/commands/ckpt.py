@@ -22,5 +22,19 @@ def inspect(directory, iteration):
 
     meta = read_metadata(directory, iteration)
     click.echo(json.dumps({k: meta[k] for k in ("iteration", "consumed_samples", "versions") if k in meta}, indent=1))
-    for row in inspect_checkpoint(directory, iteration):
-        click.echo(str(row))
+    rows = inspect_checkpoint(directory, iteration)
+    width = max([len("key"), *(len(row["key"]) for row in rows)])
+    click.echo(f"{'key':<{width}}  {'shape':<16} {'dtype':<9} {'shards':>6} "
+               f"{'min':>11} {'max':>11} {'mean':>11} {'norm':>11}")
+    for row in rows:
+        shape = str(tuple(row["shape"]))
+        click.echo(f"{row['key']:<{width}}  {shape:<16} {row['dtype']:<9} {row['shards']:>6} "
+                   f"{row['min']:>11.4g} {row['max']:>11.4g} {row['mean']:>11.4g} {row['norm']:>11.4g}")
+    click.echo(f"{len(rows)} tensors, {sum(_numel(row['shape']) for row in rows):,} values")
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

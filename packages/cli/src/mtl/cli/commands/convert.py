@@ -10,7 +10,8 @@ from mtl.core.errors import ConfigError
 @click.command()
 @click.option("--from", "src_format", required=True, type=click.Choice(["hf", "mtl"]))
 @click.option("--to", "dst_format", required=True, type=click.Choice(["hf", "mtl"]))
-@click.option("--family", default="gpt", show_default=True, help="Model family whose converter to use.")
+@click.option("--family", default=None,
+              help="Model family whose converter to use [hf -> mtl: gpt; mtl -> hf: the checkpoint's].")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
 def convert(src_format, dst_format, family, src, dst):
@@ -18,7 +19,7 @@ def convert(src_format, dst_format, family, src, dst):
     from mtl.cli.conversion import hf_to_mtl, mtl_to_hf
 
     if (src_format, dst_format) == ("hf", "mtl"):
-        hf_to_mtl(src, dst, family)
+        hf_to_mtl(src, dst, family or "gpt")
     elif (src_format, dst_format) == ("mtl", "hf"):
         mtl_to_hf(src, dst, family)
     else:

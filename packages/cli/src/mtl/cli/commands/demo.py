@@ -3,12 +3,13 @@ it, train a small GPT, save a checkpoint, and print a sample of generated text."
 
 from __future__ import annotations
 
+import json
 from importlib.resources import files
 from pathlib import Path
 
 import click
 
-from mtl.core.config_io import load_config
+from mtl.cli.config import load_run_config
 
 
 @click.command()
@@ -33,8 +34,10 @@ def demo(workdir, overrides, prompt):
     stats = preprocess(str(corpus), str(prefix), "byte", append_eod=True, workers=2, progress=True)
     click.echo(f"    {stats.docs:,} docs, {stats.tokens:,} tokens, {stats.mb_per_s:.1f} MB/s")
     config_path = files("mtl.cli").joinpath("demo.toml")
-    defaults = [f"data.paths=['{prefix}']", f"ckpt.save='{work / 'checkpoints'}'", f"logging.dir='{work / 'logs'}'"]
-    cfg = load_config(str(config_path), [*defaults, *overrides])
+    # json.dumps quotes a path as a TOML basic string (quotes and backslashes escaped)
+    defaults = [f"data.paths=[{json.dumps(str(prefix))}]", f"ckpt.save={json.dumps(str(work / 'checkpoints'))}",
+                f"logging.dir={json.dumps(str(work / 'logs'))}"]
+    cfg = load_run_config(str(config_path), [*defaults, *overrides])
     click.secho(f"3/4 training ({cfg.train.iters} iterations); metrics in {cfg.logging.dir}/metrics.jsonl", bold=True)
     result = train(cfg)
     first, last = result.losses[min(result.losses)], result.losses[max(result.losses)]

@@ -8,14 +8,19 @@ import click
 @click.command()
 @click.argument("checkpoint", type=click.Path())
 @click.option("--prompt", required=True)
-@click.option("--max-new-tokens", default=64, show_default=True, type=int)
-@click.option("--temperature", default=1.0, show_default=True, type=float, help="0 is greedy.")
-@click.option("--top-k", default=0, show_default=True, type=int, help="0 keeps every token.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=0))
+@click.option("--temperature", default=1.0, show_default=True, type=click.FloatRange(min=0), help="0 is greedy.")
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0 keeps every token.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--device", default="cpu", show_default=True)
-def generate(checkpoint, prompt, max_new_tokens, temperature, top_k, seed, device):
+@click.option("--show-ids", is_flag=True, help="Also print the prompt's and the generated token ids.")
+def generate(checkpoint, prompt, max_new_tokens, temperature, top_k, seed, device, show_ids):
     """Continue PROMPT with a model loaded from CHECKPOINT (KV-cached decoding)."""
-    from mtl.cli.text_generation import generate_text
+    from mtl.cli.text_generation import generate_from_checkpoint
 
-    click.echo(generate_text(checkpoint, prompt, max_new_tokens=max_new_tokens,
-                             temperature=temperature, top_k=top_k, seed=seed, device=device))
+    result = generate_from_checkpoint(checkpoint, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                                      top_k=top_k, seed=seed, device=device)
+    click.echo(result.text)
+    if show_ids:
+        click.echo(f"prompt ids: {' '.join(map(str, result.prompt_ids))}")
+        click.echo(f"new ids: {' '.join(map(str, result.new_ids))}")

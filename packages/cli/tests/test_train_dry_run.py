@@ -1,0 +1,82 @@
+"""``mtl train --dry-run``: resolved config, module tree with parameter counts, FLOPs, memory."""
+
+import re
+
+import torch
+
+from mtl.core.config_io import load_config
+from mtl.core.flops import flops_per_iteration
+from mtl.core.plugins import registry
+from mtl.parallel.topology import Topology
+
+H, L, S, V_PADDED, FFN = 32, 2, 16, 384, 128  # the byte tokenizer's 257 ids pad to 384
+EMBEDDING = V_PADDED * H + S * H  # word + learned position embeddings
+LAYER = (2 * H                      # input LayerNorm
+         + H * 3 * H + 3 * H        # fused QKV with bias
+         + H * H + H                # attention output projection
+         + 2 * H                    # pre-MLP LayerNorm
+         + H * FFN + FFN            # fc1
+         + FFN * H + H)             # fc2
+TOTAL = EMBEDDING + L * LAYER + 2 * H  # + final LayerNorm; the output layer is tied
+
+
+def built_parameter_count(path, overrides=()) -> int:
+    cfg = load_config(path, overrides).resolve(world_size=1, tokenizer_vocab_size=257)
+    with torch.device("meta"):
+        model = registry("model family").get("gpt").build(cfg, Topology.single(), registry("backend").get("local"))
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_dry_run_shows_config_tree_flops_and_memory_and_trains_nothing(mtl, ok, tiny_toml, workdir):
+    out = ok(mtl("train", tiny_toml, "--dry-run"))
+    # the resolved config, derived values included
+    for line in ("hidden_size = 32", "num_layers = 2", "ffn_hidden_size = 128", "vocab_size = 257",
+                 "padded_vocab_size = 384", 'dataset = "mock"', "dp = 1", "num_micro_batches = 2"):
+        assert line in out.splitlines(), line
+    # the module tree and the per-component counts agree with a model built the same way
+    assert TOTAL == built_parameter_count(tiny_toml) == 38_272
+    assert f"model (GPTModel): {TOTAL:,}" in out
+    assert f"embedding (GPTEmbedding): {EMBEDDING:,}" in out
+    assert f"layers (TransformerBlock): {L * LAYER:,}" in out
+    assert f"2 x TransformerLayer, {LAYER:,} each" in out
+    assert re.search(r"output_layer \(\w+\): [\d,]+ \(shared", out)  # tied: not counted twice
+    components = dict(re.findall(r"^\s*(\w+): ([\d,]+)$",
+                                 out.split("# parameters per component")[1].split("FLOPs")[0], re.M))
+    assert int(components["total"].replace(",", "")) == TOTAL
+    assert sum(int(v.replace(",", "")) for k, v in components.items() if k != "total") == TOTAL
+    # FLOPs per iteration as mtl.core.flops counts them, and memory in readable units
+    cfg = load_config(tiny_toml).resolve(world_size=1, tokenizer_vocab_size=257)
+    assert f"FLOPs per iteration: {flops_per_iteration(cfg):.4e}" in out
+    assert "world size 1: tp 1 x pp 1 x cp 1 x dp 1; 2 micro-batches of 2 per step" in out
+    memory = re.search(r"estimated memory per GPU: weights (.+?), grads .*total (\d+\.\d+ \w+)$", out, re.M)
+    assert memory, out
+    assert memory.group(1) == f"{TOTAL * 4 / 1024:.2f} KiB"  # fp32 weights: 4 bytes each
+    assert "None" not in out.split("# parameters per component")[1]
+    # nothing ran: no checkpoint, no logs
+    assert not (workdir / "ckpt").exists() and not (workdir / "logs").exists()
+    assert "step " not in out and "| loss" not in out
+
+
+def test_flops_scale_with_the_global_batch(mtl, ok, tiny_toml):
+    def flops(*sets):
+        out = ok(mtl("train", tiny_toml, "--dry-run", *sets))
+        return float(re.search(r"FLOPs per iteration: (\S+)", out).group(1))
+
+    assert flops("--set", "train.global_batch_size=8") == 2 * flops()
+
+
+def test_set_overrides_show_in_the_dry_run(mtl, ok, tiny_toml):
+    out = ok(mtl("train", tiny_toml, "--dry-run", "--set", "model.hidden_size=48",
+                 "--set", "logging.dir=runs/not-toml", "--set", "train.lr=2e-4"))
+    lines = out.splitlines()
+    assert "hidden_size = 48" in lines and "head_dim = 12" in lines  # derived from the override
+    assert 'dir = "runs/not-toml"' in lines  # not TOML: taken as a bare string
+    assert "lr = 0.0002" in lines
+    total = built_parameter_count(tiny_toml, ["model.hidden_size=48"])
+    assert f"model (GPTModel): {total:,}" in out and total != TOTAL
+
+
+def test_dry_run_without_a_config_file_uses_the_defaults(mtl, ok, workdir):
+    out = ok(mtl("train", "--dry-run", "--set", "model.num_layers=1"))
+    assert "num_layers = 1" in out.splitlines() and "1 x TransformerLayer" not in out
+    assert "FLOPs per iteration" in out
