@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,28 @@ def launcher_env() -> tuple[int, int, int]:
     return 0, 1, 0
 
 
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``node[03-05,9],gpu1`` -> ``node03``.
+
+    SLURM compresses lists as ``prefix[ranges]suffix`` items joined by commas; the first
+    item's first range start is the first node (zero padding kept)."""
+    match = re.match(r"([^,\[]*)(?:\[([^\]]+)\])?([^,]*)", nodelist.strip())
+    if not match or not match.group(1):
+        raise ValueError(f"SLURM_NODELIST={nodelist!r} is not a node list SLURM writes; set MASTER_ADDR yourself")
+    prefix, ranges, suffix = match.groups()
+    first = ranges.split(",")[0].split("-")[0] if ranges else ""
+    return f"{prefix}{first}{suffix}"
+
+
+def _rendezvous_from_slurm() -> None:
+    """SLURM without torchrun: the first node of the job hosts the store."""
+    nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    os.environ.setdefault("MASTER_ADDR", first_slurm_host(nodelist) if nodelist else "127.0.0.1")
+    # a port derived from the job id, so two jobs sharing a node do not collide
+    job = int(os.environ.get("SLURM_JOB_ID", "0"))
+    os.environ.setdefault("MASTER_PORT", str(20000 + job % 20000))
+
+
 def init_distributed(device: str = "auto", timeout_minutes: float = 10.0) -> tuple[int, int, torch.device]:
     """Initialise the default process group if the launcher started several processes.
 
@@ -39,9 +62,8 @@ def init_distributed(device: str = "auto", timeout_minutes: float = 10.0) -> tup
     else:
         dev = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
-        if "MASTER_ADDR" not in os.environ:  # SLURM without torchrun: first node hosts the store
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29500")
+        if "MASTER_ADDR" not in os.environ:
+            _rendezvous_from_slurm()
         dist.init_process_group(
             backend="nccl" if use_cuda else "gloo",
             rank=rank,
