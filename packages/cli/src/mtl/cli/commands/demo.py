@@ -43,4 +43,7 @@ def demo(workdir, overrides, prompt):
     first, last = result.losses[min(result.losses)], result.losses[max(result.losses)]
     click.echo(f"    loss {first:.3f} -> {last:.3f}")
     click.secho("4/4 sampling from the checkpoint (temperature 0.7, top-k 20):", bold=True)
-    click.echo(generate_text(str(work / "checkpoints"), prompt, max_new_tokens=120, temperature=0.7, top_k=20))
+    # stay within the trained context (a model with learned positions has no position beyond it)
+    max_new_tokens = max(1, min(120, cfg.model.seq_length - len(prompt.encode("utf-8"))))
+    click.echo(generate_text(str(work / "checkpoints"), prompt, max_new_tokens=max_new_tokens,
+                             temperature=0.7, top_k=20))
