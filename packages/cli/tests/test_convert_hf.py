@@ -65,14 +65,14 @@ def converted(hf_checkpoint):
 
     from mtl.cli.main import cli
 
-    arch, root, model, tokenizer = hf_checkpoint
+    root = hf_checkpoint[1]
     result = CliRunner().invoke(cli, ["convert", "--from", "hf", "--to", "mtl", str(root / "hf"), str(root / "mtl")])
     assert result.exit_code == 0, result.output
     return hf_checkpoint
 
 
 def test_converted_checkpoint_is_an_mtl_checkpoint(converted, mtl, ok):
-    arch, root, model, tokenizer = converted
+    _, root, _, tokenizer = converted
     assert (root / "mtl" / "latest").is_file()
     assert (root / "mtl" / "tokenizer" / "tokenizer.json").is_file()  # carried along
     out = ok(mtl("ckpt", "inspect", root / "mtl"))
@@ -83,7 +83,7 @@ def test_converted_checkpoint_is_an_mtl_checkpoint(converted, mtl, ok):
 
 
 def test_greedy_generation_matches_transformers(converted, mtl, ok):
-    arch, root, model, tokenizer = converted
+    _, root, model, tokenizer = converted
     prompt_ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
         hf_new = model.generate(prompt_ids, max_new_tokens=8, do_sample=False, pad_token_id=0,

@@ -108,11 +108,11 @@ def test_generate_on_a_device_that_is_not_there(mtl, clean_error, trained_ckpt):
 
 def test_a_real_process_prints_one_line_and_exits_2_and_debug_shows_the_traceback(tmp_path):
     cmd = [sys.executable, "-m", "mtl.cli", "train", "missing.toml", "--dry-run"]
-    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 2
     assert run.stderr.strip() == "error: config file missing.toml does not exist"
     assert run.stdout == ""
     debug = subprocess.run([sys.executable, "-m", "mtl.cli", "--debug", *cmd[3:]], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, timeout=120, check=False)
     assert debug.returncode != 0
     assert "Traceback" in debug.stderr and "ConfigError: config file missing.toml" in debug.stderr

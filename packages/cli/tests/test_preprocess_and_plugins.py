@@ -54,4 +54,4 @@ def test_version_and_help(mtl, ok):
     assert importlib.metadata.version("mtl-cli") in ok(mtl("--version"))
     out = ok(mtl("--help"))
     for command in ("train", "preprocess", "generate", "convert", "plugins", "ckpt", "demo"):
-        assert re.search(rf"^\s+{command}\s", out, re.M), command
+        assert re.search(rf"^\s+{command}\s", out, re.MULTILINE), command

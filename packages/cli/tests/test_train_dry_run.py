@@ -41,14 +41,14 @@ def test_dry_run_shows_config_tree_flops_and_memory_and_trains_nothing(mtl, ok, 
     assert f"2 x TransformerLayer, {LAYER:,} each" in out
     assert re.search(r"output_layer \(\w+\): [\d,]+ \(shared", out)  # tied: not counted twice
     components = dict(re.findall(r"^\s*(\w+): ([\d,]+)$",
-                                 out.split("# parameters per component")[1].split("FLOPs")[0], re.M))
+                                 out.split("# parameters per component")[1].split("FLOPs")[0], re.MULTILINE))
     assert int(components["total"].replace(",", "")) == TOTAL
     assert sum(int(v.replace(",", "")) for k, v in components.items() if k != "total") == TOTAL
     # FLOPs per iteration as mtl.core.flops counts them, and memory in readable units
     cfg = load_config(tiny_toml).resolve(world_size=1, tokenizer_vocab_size=257)
     assert f"FLOPs per iteration: {flops_per_iteration(cfg):.4e}" in out
     assert "world size 1: tp 1 x pp 1 x cp 1 x dp 1; 2 micro-batches of 2 per step" in out
-    memory = re.search(r"estimated memory per GPU: weights (.+?), grads .*total (\d+\.\d+ \w+)$", out, re.M)
+    memory = re.search(r"estimated memory per GPU: weights (.+?), grads .*total (\d+\.\d+ \w+)$", out, re.MULTILINE)
     assert memory, out
     assert memory.group(1) == f"{TOTAL * 4 / 1024:.2f} KiB"  # fp32 weights: 4 bytes each
     assert "None" not in out.split("# parameters per component")[1]

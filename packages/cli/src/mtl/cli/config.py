@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from mtl.core.config import RunConfig
 from mtl.core.config_io import apply_override, config_from_dict, load_config

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from mtl.ckpt import read_metadata, save as ckpt_save
+from mtl.ckpt import read_metadata
+from mtl.ckpt import save as ckpt_save
 from mtl.core.config import RunConfig
 from mtl.core.config_io import config_from_dict
 from mtl.core.errors import CheckpointError, ConfigError

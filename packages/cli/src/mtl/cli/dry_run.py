@@ -78,7 +78,7 @@ def dry_run(cfg: RunConfig) -> str:
     out += [f"{name:>14}: {value:,}" for name, value in counts.items()]
     out += ["", f"FLOPs per iteration: {flops:.4e} ({flops / 1e12:.2f} TFLOP, Megatron's count)",
             f"parameters: {counts['total']:,}",
-            f"world size {p.world_size}: tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp}; "
-            f"{cfg.train.num_micro_batches} micro-batches of {cfg.train.micro_batch_size} per step",
+            (f"world size {p.world_size}: tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp}; "
+             f"{cfg.train.num_micro_batches} micro-batches of {cfg.train.micro_batch_size} per step"),
             "estimated memory per GPU: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in memory.items())]
     return "\n".join(out)
