@@ -1,0 +1,54 @@
+"""Commands contributed through the ``mtl_cli_commands`` hook join the ``mtl`` group."""
+
+import click
+import pytest
+
+from mtl.core.errors import DataError
+from mtl.core.hookspecs import hookimpl
+from mtl.core.plugins import register_plugin, unregister_plugin
+from mtl.core.registrations import CliCommand
+
+
+@click.command()
+@click.option("--name", default="world")
+def hello(name):
+    """Say hello (a plugin command)."""
+    click.echo(f"hello, {name}")
+
+
+@click.command()
+def broken():
+    """Fail the way mtl commands fail."""
+    raise DataError("broken.jsonl is not a corpus")
+
+
+class CommandsPlugin:
+    @hookimpl
+    def mtl_cli_commands(self):
+        return [CliCommand("hello", hello, "greets"), CliCommand("broken", broken)]
+
+
+@pytest.fixture
+def plugin():
+    instance = CommandsPlugin()
+    register_plugin(instance, name="test-commands")
+    yield instance
+    unregister_plugin(instance)
+
+
+def test_plugin_commands_are_listed_and_run(mtl, ok, clean_error, plugin):
+    assert "hello" in ok(mtl("--help")) and "broken" in ok(mtl("--help"))
+    assert ok(mtl("hello", "--name", "mtl")) == "hello, mtl\n"
+    clean_error(mtl("broken"), "broken.jsonl is not a corpus")
+    out = ok(mtl("plugins"))
+    assert "cli command: broken, hello" in out
+    assert "hello" not in ok(mtl("--help")).split("Commands:")[0]
+
+
+def test_plugin_commands_go_away_with_the_plugin(mtl, ok):
+    plugin = CommandsPlugin()
+    register_plugin(plugin, name="test-commands")
+    assert ok(mtl("hello")) == "hello, world\n"
+    unregister_plugin(plugin)
+    result = mtl("hello")
+    assert result.exit_code == 2 and "No such command 'hello'" in result.output
