@@ -81,6 +81,14 @@ def test_invalid_layouts_rejected_with_arithmetic(overrides, world, message):
         load_config(None, overrides).resolve(world_size=world, tokenizer_vocab_size=257)
 
 
+def test_overlap_param_gather_needs_distributed_optimizer():
+    with pytest.raises(ConfigError, match=r"parallel.overlap_param_gather = true needs parallel.distributed_optimizer = true"):
+        load_config(None, ["parallel.overlap_param_gather=true"]).resolve(world_size=2, tokenizer_vocab_size=257)
+    r = load_config(None, ["parallel.overlap_param_gather=true", "parallel.distributed_optimizer=true"]).resolve(2, 257)
+    assert r.parallel.overlap_param_gather and r.parallel.distributed_optimizer
+    assert load_config(None, []).resolve(1, 257).parallel.overlap_param_gather is False
+
+
 def test_pipeline_split_with_first_and_last_stage():
     p = ParallelConfig(pp=4, first_stage_layers=1, last_stage_layers=3)
     assert pipeline_layer_split(12, p) == [1, 4, 4, 3]

@@ -62,6 +62,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = True
+    # Distributed optimizer only: all-gather updated parameters asynchronously after the step
+    # and wait per bucket just before the next forward uses them (Megatron's --overlap-param-gather).
+    overlap_param_gather: bool = False
     bucket_size_mb: float = 40.0
     # Layers on the first / last pipeline stage; the rest are split evenly.
     first_stage_layers: int | None = None
@@ -203,6 +206,11 @@ def _resolve_parallel(p: ParallelConfig, world_size: int, m: ModelConfig) -> Non
         raise ConfigError(f"parallel.vpp = {p.vpp} needs parallel.pp > 1")
     if p.ep > 1 and p.dp % p.ep:
         raise ConfigError(f"parallel.ep = {p.ep} must divide the data-parallel size {p.dp}")
+    if p.overlap_param_gather and not p.distributed_optimizer:
+        raise ConfigError(
+            "parallel.overlap_param_gather = true needs parallel.distributed_optimizer = true "
+            "(only the distributed optimizer all-gathers parameters after its step)"
+        )
     if p.sequence_parallel and p.tp == 1:
         p.sequence_parallel = False  # nothing to shard: sequence parallelism rides on TP
     if p.cp > 1 and m.seq_length % (2 * p.cp):

@@ -136,6 +136,9 @@ def software_versions() -> dict[str, str]:
 
 def save_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimizer, *, iteration: int,
                     consumed_samples: int, scaler_state: dict, saver=None) -> None:
+    for chunk in chunks:  # parallel.overlap_param_gather: wait for the step's parameter all-gathers
+        if hasattr(chunk, "finish_param_sync"):
+            chunk.finish_param_sync()
     state: dict[str, Any] = {
         **model_sharded_state(chunks, topology),
         **optimizer_sharded_state(optimizer, topology, chunks),

@@ -76,6 +76,7 @@ def wrap_data_parallel(config: RunConfig, topology: Topology, chunks: list[torch
             bucket_size_mb=p.bucket_size_mb,
             overlap_grad_reduce=p.overlap_grad_reduce,
             use_distributed_optimizer=p.distributed_optimizer,
+            overlap_param_gather=p.overlap_param_gather,
         )
         for chunk in chunks
     ]

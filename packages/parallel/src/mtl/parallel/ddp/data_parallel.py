@@ -14,6 +14,16 @@ this rank's shard of each bucket holds the average afterwards (``param.dp_owned_
 says which flat part of each parameter), and ``mtl.parallel.optimizer.DistributedOptimizer``
 updates that shard and all-gathers the parameters.
 
+With ``overlap_param_gather`` (distributed optimizer only) that all-gather is asynchronous:
+the optimizer's step launches one all-gather per bucket and returns, and a forward pre-hook
+on every submodule that owns parameters waits for the gathers of the buckets holding them
+just before it runs. Buckets follow the reverse parameter order, so the first layers' buckets
+are the last ones: they are launched first, and the gathers of later layers' buckets run
+while the first layers compute. A handle is waited once and then dropped: later
+forwards of the same step (micro-batches, recompute) do not wait again. Whatever reads
+parameters outside a forward (a checkpoint save, say) must call ``finish_param_sync()`` first; ``state_dict``, ``load_state_dict``, ``gather_params`` and the
+distributed optimizer's step do it themselves.
+
 Parameters flagged ``param.shared_embedding`` are averaged over data parallel like any other;
 their sum over the pipeline's embedding group belongs to the pipeline code. That sum adds
 whole gradients of two differently laid-out stages, so a bucket holding such a parameter is
@@ -49,6 +59,7 @@ class DataParallel(nn.Module):
         bucket_size_mb: float = 40.0,
         overlap_grad_reduce: bool = True,
         use_distributed_optimizer: bool = False,
+        overlap_param_gather: bool = False,
     ) -> None:
         super().__init__()
         if not bucket_size_mb > 0:
@@ -56,10 +67,17 @@ class DataParallel(nn.Module):
                 f"DataParallel bucket_size_mb = {bucket_size_mb!r} must be > 0 (parallel.bucket_size_mb; "
                 "40 is a good default, smaller buckets start communication earlier)"
             )
+        if overlap_param_gather and not use_distributed_optimizer:
+            raise ParallelError(
+                "DataParallel(overlap_param_gather=True) needs use_distributed_optimizer=True "
+                "(parallel.overlap_param_gather needs parallel.distributed_optimizer): only the "
+                "distributed optimizer all-gathers parameters after its step"
+            )
         self.module = module
         self.topology = topology
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
+        self.overlap_param_gather = overlap_param_gather
         self.group = topology.group("dp_cp")
         self.group_size = dist.get_world_size(self.group) if self.group is not None else 1
         self.group_rank = dist.get_rank(self.group) if self.group is not None else 0
@@ -99,6 +117,11 @@ class DataParallel(nn.Module):
         self._hooks = [
             param.register_post_accumulate_grad_hook(self._on_grad_accumulated) for _, param in named
         ]
+        # In-flight parameter all-gathers, one slot per entry of self.buckets (None: nothing
+        # to wait for). Holding the handle keeps the collective and its tensors alive.
+        self._param_gather_handles: list[object | None] = [None] * len(self.buckets)
+        self.num_param_gathers_waited_in_forward = 0  # since construction; tests read it
+        self._param_gather_hook_handles = self._register_param_gather_hooks() if overlap_param_gather else []
         self.broadcast_params()
 
     # ---- module plumbing -------------------------------------------------------------------
@@ -114,6 +137,7 @@ class DataParallel(nn.Module):
             return getattr(self.module, name)  # e.g. set_input_tensor of a pipeline stage
 
     def state_dict(self, *args, **kwargs):
+        self.finish_param_sync()
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -122,6 +146,7 @@ class DataParallel(nn.Module):
                 "DataParallel.load_state_dict(assign=True) would detach parameters from the "
                 "contiguous buffers; load with assign=False (copies in place)"
             )
+        self.finish_param_sync()  # an in-flight gather would overwrite what is loaded
         return self.module.load_state_dict(state_dict, strict=strict)
 
     # ---- gradient accumulation -------------------------------------------------------------
@@ -204,17 +229,63 @@ class DataParallel(nn.Module):
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        """All-gather every bucket's updated parameter shard (distributed optimizer only)."""
+        """All-gather every bucket's updated parameter shard (distributed optimizer only).
+
+        With ``overlap_param_gather`` the all-gathers are only launched: the forward pre-hooks
+        (or ``finish_param_sync()``) wait for them."""
         if not self.use_distributed_optimizer:
             raise ParallelError("gather_params() needs DataParallel(use_distributed_optimizer=True)")
         if self.group is None:
             return
-        handles = []
-        for bucket in self.buckets:
+        self.finish_param_sync()  # never two gathers into one bucket at once
+        # Launch the buckets of the first layers (the last buckets) first: the forward needs
+        # them first. The order is the same on every rank.
+        for index in reversed(range(len(self.buckets))):
+            bucket = self.buckets[index]
             lo, hi = bucket.shard_range(self.group_rank)
-            handles.append(_all_gather(bucket.param_view, bucket.param_view[lo:hi], group=self.group, async_op=True))
-        for handle in handles:
-            handle.wait()
+            self._param_gather_handles[index] = _all_gather(
+                bucket.param_view, bucket.param_view[lo:hi], group=self.group, async_op=True
+            )
+        if not self.overlap_param_gather:
+            self.finish_param_sync()
+
+    def finish_param_sync(self) -> None:
+        """Wait for every parameter all-gather still in flight; afterwards every parameter is
+        complete. Cheap and idempotent (nothing to do without ``overlap_param_gather``)."""
+        for index in range(len(self._param_gather_handles)):
+            self._wait_param_gather(index)
+
+    @property
+    def param_gathers_in_flight(self) -> int:
+        """How many buckets' parameter all-gathers have not been waited for yet."""
+        return sum(h is not None for h in self._param_gather_handles)
+
+    def _wait_param_gather(self, index: int) -> bool:
+        handle = self._param_gather_handles[index]
+        if handle is None:
+            return False
+        self._param_gather_handles[index] = None  # consumed: a later forward must not wait again
+        handle.wait()
+        return True
+
+    def _register_param_gather_hooks(self) -> list:
+        """A forward pre-hook on each submodule that directly owns parameters of this wrapper:
+        it waits for the gathers of the buckets holding them (a module's parameters may span
+        several buckets, a bucket several modules)."""
+        bucket_of = {id(slot.param): index for index, bucket in enumerate(self.buckets) for slot in bucket.slots}
+        handles = []
+        for submodule in self.module.modules():
+            indices = sorted({bucket_of[id(p)] for p in submodule.parameters(recurse=False) if id(p) in bucket_of})
+            if not indices:
+                continue
+
+            def pre_hook(_module, _args, indices=tuple(indices)):
+                for index in indices:
+                    if self._wait_param_gather(index):
+                        self.num_param_gathers_waited_in_forward += 1
+
+            handles.append(submodule.register_forward_pre_hook(pre_hook))
+        return handles
 
     @torch.no_grad()
     def broadcast_params(self) -> None:

@@ -55,9 +55,12 @@ class DistributedOptimizer(AdamWShell):
     def step(self) -> None:
         for chunk in self.chunks:
             chunk.finish_grad_sync()  # a no-op when the training loop already did it
+            # With overlap_param_gather a bucket no forward touched may still be gathering
+            # last step's update into the shard this step writes.
+            chunk.finish_param_sync()
         self.inner.step()
         for chunk in self.chunks:
-            chunk.gather_params()
+            chunk.gather_params()  # returns at once with overlap_param_gather: forwards wait
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for chunk in self.chunks:
