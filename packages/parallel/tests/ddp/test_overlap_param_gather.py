@@ -17,7 +17,7 @@ from mtl.parallel.optimizer import build_optimizer
 from mtl.parallel.testing import run_distributed
 from mtl.parallel.topology import Topology
 
-ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 TINY_BUCKET_MB = 40 * 4 / 2**20  # 40 fp32 elements: 4 buckets, the first Linear spans two
 
 
