@@ -55,8 +55,9 @@ def mtl_datasets() -> list[DatasetSpec]:
 def mtl_checkpoint_formats() -> list[CheckpointFormat]:
     """Return checkpoint storage formats (``zarr``), listed by ``mtl plugins``.
 
-    ``ckpt.format`` names one, but mtl-train and ``mtl convert`` currently call mtl.ckpt's
-    save/load directly and do not look the format up here."""
+    ``ckpt.format`` names the one training saves and resumes with; a format keeps mtl.ckpt's
+    directory layout (``latest``, ``iter_NNNNNNN`` and its metadata). ``mtl convert`` and
+    ``mtl generate`` still read and write ``zarr`` through mtl.ckpt directly."""
 
 
 @hookspec

@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
-from mtl.ckpt import load as ckpt_load
-from mtl.ckpt import latest_iteration, read_metadata, save as ckpt_save
+from mtl.ckpt import latest_iteration, read_metadata
 from mtl.ckpt.sharded import ShardedTensor
 from mtl.core.config import RunConfig
 from mtl.core.config_io import config_diff, config_from_dict
 from mtl.core.errors import CheckpointError
 from mtl.core.log import get_logger
+from mtl.core.plugins import registry
 from mtl.models.param_layout import TIED_OUTPUT, WORD_EMBEDDING, global_layout
 from mtl.parallel.random import get_rng_tracker
 from mtl.parallel.topology import Topology
@@ -124,6 +124,13 @@ def rng_sharded_state(topology: Topology) -> dict[str, ShardedTensor]:
     return out
 
 
+def checkpoint_format(config: RunConfig):
+    """The registered format ``ckpt.format`` names (``zarr`` is mtl.ckpt's). A format keeps
+    mtl.ckpt's directory layout (``latest``, ``iter_NNNNNNN`` with its metadata), which
+    resume reads to find the iteration."""
+    return registry("checkpoint format").get(config.ckpt.format)
+
+
 def software_versions() -> dict[str, str]:
     versions = {"torch": torch.__version__}
     for dist in ("mtl-core", "mtl-parallel", "mtl-models", "mtl-data", "mtl-ckpt", "mtl-train"):
@@ -156,7 +163,7 @@ def save_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimiz
     if saver is not None:
         saver.save(state, config.ckpt.save, iteration, metadata)
     else:
-        ckpt_save(state, config.ckpt.save, iteration, metadata)
+        checkpoint_format(config).save(state, config.ckpt.save, iteration, metadata)
 
 
 def check_compatible(saved: dict, config: RunConfig, directory: str) -> None:
@@ -194,7 +201,7 @@ def load_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimiz
         template.update(optimizer_sharded_state(optimizer, topology, chunks))
     if same_layout:
         template.update(rng_sharded_state(topology))
-    ckpt_load(template, directory, iteration)
+    checkpoint_format(config).load(template, directory, iteration)
     if same_layout:
         _restore_rng_states({key: value.data.view(-1).clone() for key, value in template.items()
                              if key.startswith("rng.")})

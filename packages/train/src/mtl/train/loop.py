@@ -11,10 +11,11 @@ import torch
 import torch.distributed as dist
 
 from mtl.core.config import RunConfig
+from mtl.core.errors import ConfigError
 from mtl.core.log import get_logger
 from mtl.core.plugins import registry
 from mtl.train.batches import MicroBatches
-from mtl.train.checkpointing import load_checkpoint, save_checkpoint
+from mtl.train.checkpointing import checkpoint_format, load_checkpoint, save_checkpoint
 from mtl.train.lr_schedule import learning_rate
 from mtl.train.metrics import progress_line, throughput
 from mtl.train.precision import LossScaler
@@ -76,6 +77,11 @@ def _chunk_iterators(micro_batches: list, num_chunks: int):
 
 
 def train(config: RunConfig, progress: bool = True) -> TrainResult:
+    if config.ckpt.async_save and config.ckpt.format != "zarr":
+        raise ConfigError(f"ckpt.async_save = true is available for ckpt.format = 'zarr' only, "
+                          f"not '{config.ckpt.format}'; set ckpt.async_save = false")
+    if config.ckpt.save or config.ckpt.load:
+        checkpoint_format(config)  # an unknown format fails here, before any work
     run = setup(config)
     cfg, t = run.config, run.config.train
     scaler = LossScaler.for_config(t)
