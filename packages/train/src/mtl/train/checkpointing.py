@@ -176,7 +176,8 @@ def check_compatible(saved: dict, config: RunConfig, directory: str) -> None:
         return
     fatal = [d for d in differences if d.startswith("model.") and not d.startswith("model.backend")]
     for line in differences:
-        log.warning("resuming %s with a changed setting: %s", directory, line)
+        if not line.startswith(RESUMABLE_CHANGES):  # those change on every resume: not news
+            log.warning("resuming %s with a changed setting: %s", directory, line)
     if fatal:
         raise CheckpointError(
             f"checkpoint {directory} was saved from a different model:\n  " + "\n  ".join(fatal)

@@ -85,6 +85,7 @@ def assemble(per_rank: list[dict]) -> dict[str, torch.Tensor]:
     for result in per_rank:
         for name, grad in result["grads"].items():
             if name in full:
-                torch.testing.assert_close(grad, full[name], atol=1e-6, rtol=1e-5, msg=lambda m: f"replicas of {name} differ: {m}")
+                torch.testing.assert_close(grad, full[name], atol=1e-6, rtol=1e-5,
+                                           msg=lambda m, name=name: f"replicas of {name} differ: {m}")
             full[name] = grad
     return full

@@ -21,8 +21,9 @@ just before it runs. Buckets follow the reverse parameter order, so the first la
 are the last ones: they are launched first, and the gathers of later layers' buckets run
 while the first layers compute. A handle is waited once and then dropped: later
 forwards of the same step (micro-batches, recompute) do not wait again. Whatever reads
-parameters outside a forward (a checkpoint save, say) must call ``finish_param_sync()`` first; ``state_dict``, ``load_state_dict``, ``gather_params`` and the
-distributed optimizer's step do it themselves.
+parameters outside a forward (a checkpoint save, say) must call ``finish_param_sync()``
+first; ``state_dict``, ``load_state_dict``, ``gather_params`` and the distributed
+optimizer's step do it themselves.
 
 Parameters flagged ``param.shared_embedding`` are averaged over data parallel like any other;
 their sum over the pipeline's embedding group belongs to the pipeline code. That sum adds
