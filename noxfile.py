@@ -17,7 +17,12 @@ PACKAGES = {
     "train": ["core", "parallel", "models", "data", "ckpt"],
     "cli": ["core", "parallel", "models", "data", "ckpt", "train"],
 }
-WITH_TEST_EXTRA = {"models", "data", "ckpt", "train"}
+WITH_TEST_EXTRA = {"parallel", "models", "data", "ckpt", "train", "cli"}
+# Local distributions a package's tests use beyond its own dependencies (not on PyPI).
+TEST_LOCAL = {
+    "ckpt": ["packages/parallel"],  # the multi-rank save/load tests start gloo groups
+    "cli": ["examples/plugins/mtl-example-plugin"],  # `mtl plugins` lists a third-party plugin
+}
 
 nox.options.default_venv_backend = "venv"
 
@@ -28,6 +33,8 @@ def tests(session, package):
     session.install(TORCH, "pytest", "pytest-timeout")
     for dep in PACKAGES[package]:
         session.install("-e", f"packages/{dep}")
+    for path in TEST_LOCAL.get(package, []):
+        session.install("-e", path)
     extra = "[test]" if package in WITH_TEST_EXTRA else ""
     session.install("-e", f"packages/{package}{extra}")
     session.run("pytest", "-q", "-c", "pytest.ini", "--rootdir", ".", f"packages/{package}/tests")

@@ -11,6 +11,6 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==${MTL_TORCH_VERSION:-2.13.0}"
 .venv/bin/python -m pip install -q \
-  -e packages/core -e packages/parallel -e "packages/models[test]" -e "packages/data[test]" \
-  -e "packages/ckpt[test]" -e "packages/train[test]" -e packages/cli \
+  -e packages/core -e "packages/parallel[test]" -e "packages/models[test]" -e "packages/data[test]" \
+  -e "packages/ckpt[test]" -e "packages/train[test]" -e "packages/cli[test]" \
   -e examples/plugins/mtl-example-plugin pytest pytest-timeout nox

@@ -10,6 +10,7 @@ an exception on any rank fails the call with that rank's traceback.
 
 from __future__ import annotations
 
+import datetime
 import importlib
 import importlib.util
 import os
@@ -77,8 +78,23 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn_ref: tuple, 
         result = ("error", f"rank {rank}:\n{traceback.format_exc()}")
     finally:
         if dist.is_initialized():
+            _leave_together(backend)
             dist.destroy_process_group()
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _leave_together(backend: str) -> None:
+    """Wait for every rank before tearing the group down: a rank that destroys its gloo
+    connections while a peer still uses them can abort that peer ("terminate called without
+    an active exception"). A rank that failed still arrives here, so this does not hang on
+    failures; should a peer be stuck elsewhere, gloo's monitored barrier gives up."""
+    try:
+        if backend == "gloo":
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+        else:
+            dist.barrier()
+    except Exception:  # the result (or the error) of fn is what the caller needs
+        pass
 
 
 def run_distributed(fn: Callable, world_size: int, args: tuple = (), backend: str = "gloo") -> list[Any]:
