@@ -1,6 +1,6 @@
 """Each package's tests in a fresh environment holding only its declared dependencies.
 
-    nox -s "tests(core)"      # one package
+    nox -s "tests(package='core')"      # one package
     nox                       # all of them (slow: one environment each)
 """
 
