@@ -1,17 +1,15 @@
 """Starting the process group from a launcher's environment: torchrun's variables, and
 SLURM's (srun without torchrun), including the rendezvous address from the node list."""
 
+import json
 import os
 import random
 import socket
-import tempfile
+import subprocess
+import sys
 
 import pytest
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-from mtl.parallel.distributed import first_slurm_host, init_distributed, launcher_env
+from mtl.parallel.distributed import first_slurm_host, launcher_env
 
 
 @pytest.mark.parametrize("nodelist, host", [
@@ -39,16 +37,16 @@ def test_torchrun_variables_win_over_slurm(monkeypatch):
     assert launcher_env() == (3, 8, 1)
 
 
-def _srun_task(rank: int, port: int, out_dir: str) -> None:
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(key, None)
-    os.environ.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
-                      SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID=str(port - 20000))
-    got_rank, world, device = init_distributed("cpu")
-    total = torch.tensor([float(got_rank + 1)])
-    dist.all_reduce(total)
-    torch.save((got_rank, world, device.type, total.item(), os.environ["MASTER_ADDR"]), f"{out_dir}/{rank}.pt")
-    dist.destroy_process_group()
+# What one srun task runs: join the group from SLURM's variables, all-reduce, report.
+SRUN_TASK = """
+import json, os, torch, torch.distributed as dist
+from mtl.parallel.distributed import init_distributed
+rank, world, device = init_distributed("cpu")
+total = torch.tensor([float(rank + 1)])
+dist.all_reduce(total)
+print(json.dumps([rank, world, device.type, total.item(), os.environ["MASTER_ADDR"]]))
+dist.destroy_process_group()
+"""
 
 
 def _free_port_in_job_range() -> int:
@@ -65,8 +63,17 @@ def _free_port_in_job_range() -> int:
 
 
 def test_srun_without_torchrun_joins_one_group():
+    """Two processes with only SLURM's variables (as srun starts them) form one group."""
     port = _free_port_in_job_range()
-    with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_srun_task, args=(port, out), nprocs=2, start_method="spawn")
-        results = [torch.load(f"{out}/{r}.pt") for r in range(2)]
-    assert results == [(0, 2, "cpu", 3.0, "localhost"), (1, 2, "cpu", 3.0, "localhost")]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(SLURM_NTASKS="2", SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID=str(port - 20000), OMP_NUM_THREADS="1")
+    tasks = [
+        subprocess.Popen([sys.executable, "-c", SRUN_TASK], env={**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    outputs = [task.communicate(timeout=120) for task in tasks]
+    for task, (out, err) in zip(tasks, outputs):
+        assert task.returncode == 0, err[-2000:]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    assert results == [[0, 2, "cpu", 3.0, "localhost"], [1, 2, "cpu", 3.0, "localhost"]]
