@@ -81,3 +81,18 @@ def test_sigterm_saves_the_current_step_and_resume_continues(tmp_path):
                              capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert [r["step"] for r in read_metrics(logs)][-2:] == [stopped_at + 1, stopped_at + 2]
+
+
+def test_invalid_layout_under_torchrun_fails_fast_with_the_arithmetic(tmp_path):
+    """Every rank rejects the layout before any collective: a message, never a hang."""
+    config = write_config(tmp_path, iters=2)
+    start = time.monotonic()
+    proc = subprocess.run(
+        [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "mtl.cli", "train", str(config),
+         "--set", "parallel.tp=3"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert "world size 2 is not divisible by tp*pp*cp = 3*1*1 = 3" in output, output[-3000:]
+    assert time.monotonic() - start < 120
