@@ -9,6 +9,8 @@ bash benchmarks/gpu/setup.sh
 export PYTHONUNBUFFERED=1
 ITERS=${ITERS:-10}
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+if [ "$NGPU" -lt 2 ]; then echo "bench_multi_gpu.sh needs at least 2 GPUs, found $NGPU" >&2; exit 1; fi
+rm -rf runs/multi_*  # metrics.jsonl appends, and the table lists every runs/multi_* folder
 run() {  # run NAME NPROC [--set ...]
   local name=$1 nproc=$2; shift 2
   echo "== $name on $nproc GPU(s)"

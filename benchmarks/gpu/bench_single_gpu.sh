@@ -6,6 +6,7 @@ cd "$(dirname "$0")/../.."
 bash benchmarks/gpu/setup.sh
 export PYTHONUNBUFFERED=1
 ITERS=${ITERS:-10}
+rm -rf runs/bench_llama runs/bench_gpt2  # metrics.jsonl appends: start from empty logs
 for model in llama gpt2; do
   python3 -m mtl.cli train "benchmarks/gpu/${model}_reference.toml" --set train.iters=$ITERS "$@" 2>&1 | tee "${OUT:-.}/${model}.log" | tail -5
 done

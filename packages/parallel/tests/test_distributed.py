@@ -50,9 +50,9 @@ dist.destroy_process_group()
 
 
 def _free_port_in_job_range() -> int:
-    """A free port of the form 20000 + job id (what the rendezvous derives from SLURM_JOB_ID)."""
+    """A free port of the form 20000 + job id + step id (what the rendezvous derives)."""
     for _ in range(100):
-        port = random.randrange(20000, 32000)
+        port = random.randrange(20001, 32000)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -66,7 +66,8 @@ def test_srun_without_torchrun_joins_one_group():
     """Two processes with only SLURM's variables (as srun starts them) form one group."""
     port = _free_port_in_job_range()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(SLURM_NTASKS="2", SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID=str(port - 20000), OMP_NUM_THREADS="1")
+    env.update(SLURM_NTASKS="2", SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID=str(port - 20001), SLURM_STEP_ID="1",
+               OMP_NUM_THREADS="1")
     tasks = [
         subprocess.Popen([sys.executable, "-c", SRUN_TASK], env={**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

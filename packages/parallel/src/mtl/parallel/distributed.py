@@ -44,9 +44,12 @@ def _rendezvous_from_slurm() -> None:
     """SLURM without torchrun: the first node of the job hosts the store."""
     nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
     os.environ.setdefault("MASTER_ADDR", first_slurm_host(nodelist) if nodelist else "127.0.0.1")
-    # a port derived from the job id, so two jobs sharing a node do not collide
+    # a port derived from the job and step ids, so jobs (and steps of one job) sharing a node
+    # do not collide
     job = int(os.environ.get("SLURM_JOB_ID", "0"))
-    os.environ.setdefault("MASTER_PORT", str(20000 + job % 20000))
+    step = os.environ.get("SLURM_STEP_ID", "0")
+    step = int(step) if step.isdigit() else 0
+    os.environ.setdefault("MASTER_PORT", str(20000 + (job + step) % 20000))
 
 
 def init_distributed(device: str = "auto", timeout_minutes: float = 10.0) -> tuple[int, int, torch.device]:

@@ -1,7 +1,8 @@
 """Training state <-> sharded checkpoints (mtl.ckpt).
 
-Model parameters and optimizer moments are stored under their global names and global
-shapes, so any rank layout can read them; iteration, data position, loss scale, the
+Model parameters are stored under their global names and global shapes, so any rank layout
+can read them; optimizer moments are stored flat per parameter, readable at any dp, pp, vpp
+and cp but only at the tp they were saved with; iteration, data position, loss scale, the
 resolved config and versions go to the metadata; RNG states are stored per rank."""
 
 from __future__ import annotations
@@ -159,11 +160,16 @@ def save_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimiz
         "config": config.to_dict(),
         "versions": software_versions(),
         "world_size": topology.world_size,
+        "device_type": _device_type(chunks),
     }
     if saver is not None:
         saver.save(state, config.ckpt.save, iteration, metadata)
     else:
         checkpoint_format(config).save(state, config.ckpt.save, iteration, metadata)
+
+
+def _device_type(chunks: list) -> str:
+    return next(_unwrap(chunks[0]).parameters()).device.type
 
 
 def check_compatible(saved: dict, config: RunConfig, directory: str) -> None:
@@ -193,10 +199,23 @@ def load_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimiz
     check_compatible(metadata["config"], config, directory)
     if metadata.get("model_only"):  # a converted checkpoint: weights only, training starts anew
         load_optimizer = False
+    saved_tp = metadata["config"]["parallel"].get("tp")
+    if load_optimizer and saved_tp != config.parallel.tp:
+        # The flat moments of a row-parallel weight interleave differently at another tp: loading
+        # them would silently pair each moment with the wrong element.
+        raise CheckpointError(
+            f"checkpoint {directory} holds optimizer state saved at parallel.tp = {saved_tp}; resuming "
+            f"at parallel.tp = {config.parallel.tp} needs the same tp (dp, pp, vpp and cp may change)"
+        )
     template: dict[str, Any] = dict(model_sharded_state(chunks, topology))
-    same_layout = not metadata.get("model_only") and metadata.get("world_size") == topology.world_size and all(
-        metadata["config"]["parallel"].get(k) == getattr(config.parallel, k)
-        for k in ("tp", "pp", "vpp", "cp", "distributed_optimizer")
+    # RNG streams are per rank and per device type: restored only where both match (and
+    # where the checkpoint has them: older ones lack the device type).
+    same_layout = (
+        not metadata.get("model_only")
+        and metadata.get("world_size") == topology.world_size
+        and metadata.get("device_type") == _device_type(chunks)
+        and all(metadata["config"]["parallel"].get(k) == getattr(config.parallel, k)
+                for k in ("tp", "pp", "vpp", "cp", "distributed_optimizer"))
     )
     if load_optimizer:
         template.update(optimizer_sharded_state(optimizer, topology, chunks))

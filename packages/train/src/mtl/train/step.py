@@ -28,6 +28,8 @@ def _forward_step_factory(config: RunConfig, device: torch.device, loss_scale: f
         batch = next(batches)
         with autocast(config.train.precision, device):
             output = model_chunk(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"])
+        if output.dtype != torch.float32:  # a stage's hidden states travel as fp32 (see below)
+            output = output.float()
 
         def loss_func(per_token_loss):
             mask = batch["loss_mask"]
