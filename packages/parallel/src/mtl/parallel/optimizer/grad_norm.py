@@ -53,6 +53,12 @@ def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(norms).square().sum()
 
 
+def _collective_device() -> torch.device:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def global_grad_norm(params, topology: Topology, grads_are_dp_sharded: bool = False) -> torch.Tensor:
     """The L2 norm of the whole model's gradient, the same fp32 scalar on every rank."""
     unique = list({id(p): p for p in params if p.grad is not None}.values())
@@ -61,7 +67,9 @@ def global_grad_norm(params, topology: Topology, grads_are_dp_sharded: bool = Fa
     # Gradients not counted (copies of ones another rank counts) still take part with weight
     # 0: finite -> +0, inf/NaN -> NaN, so any non-finite element anywhere shows in the result.
     uncounted = [p.grad for p, g in zip(unique, counted) if g is None]
-    device = unique[0].grad.device if unique else torch.device("cpu")
+    # A rank may hold no gradient here (a distributed-optimizer rank whose shards are all
+    # padding); it still joins the all-reduce, on the device NCCL needs.
+    device = unique[0].grad.device if unique else _collective_device()
     squares = torch.zeros((), dtype=torch.float32, device=device)
     if grads:
         squares = squares + _sum_of_squares(grads)
