@@ -34,8 +34,7 @@ class EagerAttention(torch.nn.Module):
         softmax_scale: float | None = None,
     ):
         super().__init__()
-        cp = getattr(topology, "cp", 1) if topology is not None else 1
-        tp = getattr(topology, "tp", 1) if topology is not None else 1
+        cp, tp = getattr(topology, "cp", 1), getattr(topology, "tp", 1)  # topology None: one process
         if cp > 1:
             raise ConfigError(
                 f"the 'eager' backend has no context parallelism (parallel.cp = {cp}); "

@@ -52,23 +52,23 @@ def module_tree(module: torch.nn.Module, max_depth: int = 3) -> list[str]:
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
         n /= 1024
-    raise AssertionError("unreachable")
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.2f} {unit}"
 
 
 def dry_run(cfg: RunConfig) -> str:
-    p = cfg.parallel
-    world_size = int(os.environ.get("WORLD_SIZE", p.tp * p.pp * p.cp))
+    world_size = int(os.environ.get("WORLD_SIZE", cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp))
     tokenizer = registry("tokenizer").get(cfg.data.tokenizer).build(cfg.data.tokenizer_model)
     cfg = cfg.resolve(world_size=world_size, tokenizer_vocab_size=tokenizer.vocab_size)
     backend = registry("backend").get(cfg.model.backend)
     family = registry("model family").get(cfg.model.family)
     with torch.device("meta"):  # shapes only: no memory, no initialisation cost
         model = family.build(cfg, Topology.single(), backend)
-    p = cfg.parallel  # resolved: world_size and dp are known now
+    p = cfg.parallel
     counts = parameter_count(cfg)
     flops = flops_per_iteration(cfg)
     memory = memory_per_gpu_bytes(cfg)

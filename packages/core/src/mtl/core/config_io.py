@@ -25,9 +25,15 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunCo
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
+    overrides = list(overrides)
+    if overrides:  # checked on their own first, so a misspelt key is blamed on --set, not the file
+        override_data: dict[str, Any] = {}
+        for item in overrides:
+            apply_override(override_data, item)
+        config_from_dict(override_data, source="--set")
     for item in overrides:
         apply_override(data, item)
-    return config_from_dict(data, source=str(path) if path else "overrides")
+    return config_from_dict(data, source=str(path) if path else "--set")
 
 
 def parse_override_value(text: str) -> Any:

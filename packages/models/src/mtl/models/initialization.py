@@ -18,6 +18,7 @@ import math
 import torch
 from torch import nn
 
+from mtl.core.config import RunConfig
 from mtl.models.param_layout import box, global_layout
 
 RESIDUAL_OUTPUT_MODULES = ("linear_proj", "linear_fc2")
@@ -53,5 +54,7 @@ def initialize_parameters(model: nn.Module, seed: int, topology) -> None:
     """Fill every parameter of ``model`` (a GPTModel or a stage of one) with this rank's box
     of its layout-independent initial value."""
     for global_name, (local, global_shape, global_offset) in global_layout(model, topology).items():
+        if local.is_meta:  # shapes only (e.g. `mtl train --dry-run`): nothing to fill, nothing to draw
+            continue
         full = initial_value(global_name, global_shape, seed, model.config)
         local.copy_(box(full, local.shape, global_offset))

@@ -33,12 +33,13 @@ def global_layout(model: nn.Module, topology) -> Layout:
     writes the parameter) and has the rank of the global tensor."""
     return {
         global_name: (_global_view(name, param, param.data), shape, offset)
-        for global_name, name, param, shape, offset in _entries(model, topology)
+        for global_name, name, param, shape, offset in parameter_entries(model, topology)
     }
 
 
-def _entries(model: nn.Module, topology):
-    """(global name, local name, parameter, global shape, global offset) per parameter."""
+def parameter_entries(model: nn.Module, topology):
+    """(global name, local name, parameter, global shape, global offset) per parameter; the
+    names differ only for a last-stage output weight tied to the word embedding."""
     tp, tp_rank = topology.tp, topology.tp_rank
     seen: dict[str, str] = {}
     for name, param in model.named_parameters():
@@ -114,7 +115,7 @@ def gather_global_state(model: nn.Module, topology, *, grads: bool = False) -> d
 
     group = topology.tp_group
     state = {}
-    for global_name, name, param, global_shape, _ in _entries(model, topology):
+    for global_name, name, param, global_shape, _ in parameter_entries(model, topology):
         source = param.grad if grads else param.data
         if source is None:
             raise ParallelError(f"parameter {name} has no gradient; run backward first")

@@ -93,8 +93,8 @@ def _leave_together(backend: str) -> None:
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
         else:
             dist.barrier()
-    except Exception:  # the result (or the error) of fn is what the caller needs
-        pass
+    except RuntimeError as exc:  # a peer failed: its own error is what the caller gets
+        print(f"[rank {dist.get_rank()}] leaving without the others: {exc}", file=sys.stderr, flush=True)
 
 
 def run_distributed(fn: Callable, world_size: int, args: tuple = (), backend: str = "gloo") -> list[Any]:

@@ -19,7 +19,7 @@ from mtl.core.config_io import config_diff, config_from_dict
 from mtl.core.errors import CheckpointError
 from mtl.core.log import get_logger
 from mtl.core.plugins import registry
-from mtl.models.param_layout import TIED_OUTPUT, WORD_EMBEDDING, global_layout
+from mtl.models.param_layout import global_layout, parameter_entries
 from mtl.parallel.random import get_rng_tracker
 from mtl.parallel.topology import Topology
 
@@ -34,7 +34,7 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return getattr(chunk, "module", chunk)
 
 
-def _replica_id(topology: Topology, param: torch.nn.Parameter, local_name: str, dp_sharded: bool = False) -> int:
+def _replica_id(topology: Topology, param: torch.nn.Parameter, tied_copy: bool, dp_sharded: bool = False) -> int:
     """0 on the one rank that writes this tensor, 1 on the ranks that hold a copy of it.
 
     Copies are: data/context-parallel replicas (unless the state is sharded over dp x cp, as
@@ -43,56 +43,40 @@ def _replica_id(topology: Topology, param: torch.nn.Parameter, local_name: str, 
     coordinates = [] if dp_sharded else [topology.dp_rank, topology.cp_rank]
     if topology.tp > 1 and getattr(param, "tp_split_dim", None) is None:
         coordinates.append(topology.tp_rank)
-    tied_copy = local_name == TIED_OUTPUT and getattr(param, "shared_embedding", False)
     return int(any(coordinates) or tied_copy)
 
 
+def _parameters_by_global_name(chunks: list, topology: Topology) -> dict[str, tuple[torch.nn.Parameter, bool]]:
+    """Global name -> (this rank's parameter, whether it is a tied copy of another stage's)."""
+    return {
+        global_name: (param, global_name != local_name)
+        for chunk in chunks
+        for global_name, local_name, param, _, _ in parameter_entries(_unwrap(chunk), topology)
+    }
+
+
 def model_sharded_state(chunks: list, topology: Topology) -> dict[str, ShardedTensor]:
+    params = _parameters_by_global_name(chunks, topology)
     state: dict[str, ShardedTensor] = {}
     for chunk in chunks:
-        model = _unwrap(chunk)
-        params = dict(model.named_parameters())
-        local_names = _local_names(model)
-        for name, (local, global_shape, offset) in global_layout(model, topology).items():
-            local_name = local_names[name]
+        for name, (local, global_shape, offset) in global_layout(_unwrap(chunk), topology).items():
             state[f"model.{name}"] = ShardedTensor(
                 key=f"model.{name}", data=local, global_shape=tuple(global_shape), global_offset=tuple(offset),
-                replica_id=_replica_id(topology, params[local_name], local_name),
+                replica_id=_replica_id(topology, *params[name]),
             )
     return state
-
-
-def _local_names(model: torch.nn.Module) -> dict[str, str]:
-    """Global name -> the parameter's name in this model (they differ for a tied output copy)."""
-    out = {}
-    for name, param in model.named_parameters():
-        tied = name == TIED_OUTPUT and getattr(param, "shared_embedding", False)
-        out[WORD_EMBEDDING if tied else name] = name
-    return out
-
-
-def _global_param_names(chunks: list) -> dict:
-    """Parameter -> its global name (a tied output copy is stored as the word embedding)."""
-    names = {}
-    for chunk in chunks:
-        for global_name, local_name in _local_names(_unwrap(chunk)).items():
-            names[_unwrap(chunk).get_parameter(local_name)] = global_name
-    return names
 
 
 def optimizer_sharded_state(optimizer, topology: Topology, chunks: list) -> dict[str, ShardedTensor]:
     # The distributed optimizer shards over the whole dp x cp group, so every rank of it writes
     # its own piece; TP and tied-embedding copies follow the parameter's own replication.
-    global_names = _global_param_names(chunks)
-    by_global = {}  # global name -> (parameter, its local name) on this rank
-    for chunk in chunks:
-        for local_name, param in _unwrap(chunk).named_parameters():
-            by_global[global_names[param]] = (param, local_name)
+    params = _parameters_by_global_name(chunks, topology)
+    global_names = {param: name for name, (param, _) in params.items()}
     state = {}
     for key, (tensor, global_shape, offset) in optimizer.sharded_state("optimizer", global_names).items():
-        param, local_name = by_global[key.removeprefix("optimizer.").rsplit(".", 1)[0]]
+        param, tied_copy = params[key.removeprefix("optimizer.").rsplit(".", 1)[0]]
         state[key] = ShardedTensor(key=key, data=tensor, global_shape=tuple(global_shape), global_offset=tuple(offset),
-                                   replica_id=_replica_id(topology, param, local_name, optimizer.is_dp_sharded))
+                                   replica_id=_replica_id(topology, param, tied_copy, optimizer.is_dp_sharded))
     return state
 
 
@@ -145,8 +129,7 @@ def software_versions() -> dict[str, str]:
 def save_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimizer, *, iteration: int,
                     consumed_samples: int, scaler_state: dict, saver=None) -> None:
     for chunk in chunks:  # parallel.overlap_param_gather: wait for the step's parameter all-gathers
-        if hasattr(chunk, "finish_param_sync"):
-            chunk.finish_param_sync()
+        chunk.finish_param_sync()
     state: dict[str, Any] = {
         **model_sharded_state(chunks, topology),
         **optimizer_sharded_state(optimizer, topology, chunks),

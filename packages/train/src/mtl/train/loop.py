@@ -152,8 +152,7 @@ def train(config: RunConfig, progress: bool = True) -> TrainResult:
     if saver is not None:
         saver.wait()
     for chunk in run.chunks:  # parallel.overlap_param_gather: hand back complete parameters
-        if hasattr(chunk, "finish_param_sync"):
-            chunk.finish_param_sync()
+        chunk.finish_param_sync()
     for cb in callbacks:
         cb.close()
     result.final_iteration = iteration

@@ -28,7 +28,10 @@ def _forward_step_factory(config: RunConfig, device: torch.device, loss_scale: f
         batch = next(batches)
         with autocast(config.train.precision, device):
             output = model_chunk(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"])
-        if output.dtype != torch.float32:  # a stage's hidden states travel as fp32 (see below)
+        # Parameters stay fp32 and bf16/fp16 come from autocast, so the residual stream a stage
+        # hands to the next is fp32; a backend that returns less is widened, never the stream
+        # rounded (pipelined runs would then differ from one GPU).
+        if output.dtype != torch.float32:
             output = output.float()
 
         def loss_func(per_token_loss):
@@ -55,10 +58,6 @@ def _tensor_shape(config: RunConfig) -> tuple[int, int, int]:
 def _run_schedule(config, topology, chunks, batches_per_chunk, forward_step, forward_only):
     from mtl.parallel.pipeline import forward_backward
 
-    # Parameters stay fp32 and bf16/fp16 come from autocast, so the residual stream a stage
-    # hands to the next is fp32 in every precision; sending it rounded would make pipelined
-    # runs differ from one GPU.
-    dtype = torch.float32
 
     def no_sync():
         import contextlib
@@ -74,7 +73,7 @@ def _run_schedule(config, topology, chunks, batches_per_chunk, forward_step, for
         chunks,
         num_micro_batches=config.train.num_micro_batches,
         tensor_shape=_tensor_shape(config),
-        dtype=dtype,
+        dtype=torch.float32,  # what every stage sends: see forward_step
         topology=topology,
         forward_only=forward_only,
         no_sync_func=None if forward_only else no_sync,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import click
 
@@ -30,11 +31,5 @@ def inspect(directory, iteration):
         shape = str(tuple(row["shape"]))
         click.echo(f"{row['key']:<{width}}  {shape:<16} {row['dtype']:<9} {row['shards']:>6} "
                    f"{row['min']:>11.4g} {row['max']:>11.4g} {row['mean']:>11.4g} {row['norm']:>11.4g}")
-    click.echo(f"{len(rows)} tensors, {sum(_numel(row['shape']) for row in rows):,} values")
+    click.echo(f"{len(rows)} tensors, {sum(math.prod(row['shape']) for row in rows):,} values")
 
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

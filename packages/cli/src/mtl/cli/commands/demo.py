@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from mtl.cli.config import load_run_config
+from mtl.core.config_io import load_config
 
 
 @click.command()
@@ -37,7 +37,7 @@ def demo(workdir, overrides, prompt):
     # json.dumps quotes a path as a TOML basic string (quotes and backslashes escaped)
     defaults = [f"data.paths=[{json.dumps(str(prefix))}]", f"ckpt.save={json.dumps(str(work / 'checkpoints'))}",
                 f"logging.dir={json.dumps(str(work / 'logs'))}"]
-    cfg = load_run_config(str(config_path), [*defaults, *overrides])
+    cfg = load_config(str(config_path), [*defaults, *overrides])
     click.secho(f"3/4 training ({cfg.train.iters} iterations); metrics in {cfg.logging.dir}/metrics.jsonl", bold=True)
     result = train(cfg)
     first, last = result.losses[min(result.losses)], result.losses[max(result.losses)]

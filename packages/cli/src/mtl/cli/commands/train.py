@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from mtl.cli.config import load_run_config
+from mtl.core.config_io import load_config
 
 
 @click.command()
@@ -14,7 +14,7 @@ from mtl.cli.config import load_run_config
 @click.option("--dry-run", is_flag=True, help="Print the resolved config, model tree, FLOPs and memory; exit.")
 def train(config, overrides, dry_run):
     """Train a model described by the TOML file CONFIG (under torchrun for several processes)."""
-    cfg = load_run_config(config, overrides)
+    cfg = load_config(config, overrides)
     if dry_run:
         from mtl.cli.dry_run import dry_run as show
 

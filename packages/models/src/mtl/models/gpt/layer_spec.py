@@ -7,17 +7,16 @@ tree.
 
 from __future__ import annotations
 
-
 from mtl.core.config import RunConfig
 from mtl.core.registrations import Backend
 from mtl.core.spec import ModuleSpec
 from mtl.models.gpt.attention import SelfAttention, SelfAttentionSubmodules
 from mtl.models.gpt.mlp import MLP, MLPSubmodules
-from mtl.models.initialization import output_init_std
 from mtl.models.gpt.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
 )
+from mtl.models.initialization import output_init_std
 
 
 def norm_spec(config: RunConfig, backend: Backend, size: int) -> ModuleSpec:

@@ -53,10 +53,11 @@ def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(norms).square().sum()
 
 
-def _collective_device() -> torch.device:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+def _collective_device(fallback: torch.device | None = None) -> torch.device:
+    """Where a tensor for an all-reduce must live: the current CUDA device under NCCL."""
+    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return fallback if fallback is not None else torch.device("cpu")
 
 
 def global_grad_norm(params, topology: Topology, grads_are_dp_sharded: bool = False) -> torch.Tensor:
@@ -106,9 +107,7 @@ def check_for_nan(loss: torch.Tensor | None, topology: Topology, *, raise_error:
     """True if the loss is inf/NaN on any rank (the same answer everywhere); raises, naming
     the ranks, unless ``raise_error=False``. ``loss=None`` (a stage without a loss) is fine."""
     world = topology.world_size
-    device = loss.device if loss is not None else torch.device("cpu")
-    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _collective_device(loss.device if loss is not None else None)
     bad = torch.zeros(world, dtype=torch.float32, device=device)
     if loss is not None and not torch.isfinite(loss.detach()).all():
         bad[topology.rank] = 1.0
