@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 from mtl.ckpt.async_save import AsyncSaver  # noqa: E402
 from mtl.ckpt.directory import latest_iteration, list_keys, read_metadata  # noqa: E402
 from mtl.ckpt.load import load  # noqa: E402
+from mtl.ckpt.retention import prune_checkpoints  # noqa: E402
 from mtl.ckpt.save import save  # noqa: E402
 from mtl.ckpt.sharded import ShardedTensor, flatten_state  # noqa: E402
 
@@ -18,6 +19,7 @@ __all__ = [
     "latest_iteration",
     "list_keys",
     "load",
+    "prune_checkpoints",
     "read_metadata",
     "save",
 ]
