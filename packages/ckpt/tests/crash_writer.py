@@ -1,6 +1,7 @@
 """A child process that checkpoints and then dies by SIGKILL at a chosen point.
 
     python crash_writer.py save  CKPT_DIR sync|async POINT   # commits iteration 1, dies saving 2
+    python crash_writer.py save  CKPT_DIR first POINT        # dies saving iteration 1, the first
     python crash_writer.py prune CKPT_DIR KEEP_LAST POINT    # dies inside prune_checkpoints
 
 The kill is injected by monkeypatching mtl.ckpt (and ``os``) here, in the child only: the
@@ -128,7 +129,10 @@ def install_prune_point(ckpt_dir: str, point: str) -> None:
 
 
 def run_save(ckpt_dir: str, mode: str, point: str) -> None:
-    if mode == "sync":
+    if mode == "first":
+        install_save_point(ckpt_dir, point)
+        save(make_state(1), ckpt_dir, 1, {"iteration": 1})
+    elif mode == "sync":
         save(make_state(1), ckpt_dir, 1, {"iteration": 1})
         install_save_point(ckpt_dir, point)
         save(make_state(2), ckpt_dir, 2, {"iteration": 2})
@@ -140,7 +144,7 @@ def run_save(ckpt_dir: str, mode: str, point: str) -> None:
         saver.save(make_state(2), ckpt_dir, 2, {"iteration": 2})
         saver.wait()
     else:
-        raise SystemExit(f"unknown mode {mode!r}: sync or async")
+        raise SystemExit(f"unknown mode {mode!r}: sync, async or first")
 
 
 def main(argv: list[str]) -> int:
