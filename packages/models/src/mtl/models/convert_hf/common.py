@@ -1,76 +1,106 @@
-"""What both HF converters share: reading/writing a checkpoint directory, the group-major
-QKV fusion of our attention, and vocabulary padding.
+"""What the HF converters share: tensor sources read one tensor at a time, the two-pass
+stream of converted tensors, and the group-major QKV fusion of our attention.
 
 Our global layout (``mtl.models.param_layout``): fused QKV ``[groups * (q_per_group + 2) * d,
 h]`` ordered ``[g0: q heads, k, v][g1: ...]``; SwiGLU fc1 ``[2, ffn, h]`` (gate, up); the word
-embedding (and an untied output layer) ``[padded_vocab, h]`` whose rows past the true
-vocabulary are zero on import and dropped on export.
+embedding (and an untied output layer) ``[vocab, h]``, the true vocabulary only (the model's
+TP padding is invisible to its global tensors).
+
+A conversion is written once, as a generator of ``(name, tensor)`` pulling its inputs through
+``read(name)``. Run over a source's ``meta`` tensors it costs nothing and gives every output's
+name, shape and dtype before any data is read (to check them against the model, or to write a
+safetensors header); run over ``get`` it produces the data, one tensor (or one q/k/v or
+gate/up group) alive at a time.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping, Protocol
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from mtl.core.config_io import config_from_dict
 from mtl.core.errors import CheckpointError, ConfigError
 
-SAFETENSORS = "model.safetensors"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
+Read = Callable[[str], torch.Tensor]
+Convert = Callable[[Read], Iterator[tuple[str, torch.Tensor]]]
 
 
-def read_hf_checkpoint(hf_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(config.json as a dict, every tensor by HF name) of a ``save_pretrained`` directory,
-    single-file or sharded (``model.safetensors.index.json``)."""
-    hf_dir = Path(hf_dir)
-    config_path = hf_dir / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(f"{config_path} does not exist: point to a Hugging Face model directory")
-    try:
-        hf_config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from exc
-    if (hf_dir / SAFETENSORS).is_file():
-        return hf_config, load_file(str(hf_dir / SAFETENSORS))
-    index_path = hf_dir / SAFETENSORS_INDEX
-    if index_path.is_file():
-        shard_files = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
-        tensors: dict[str, torch.Tensor] = {}
-        for shard in shard_files:
-            tensors.update(load_file(str(hf_dir / shard)))
-        return hf_config, tensors
-    raise CheckpointError(
-        f"{hf_dir} has neither {SAFETENSORS} nor {SAFETENSORS_INDEX}; re-save the model with "
-        "save_pretrained(..., safe_serialization=True) (PyTorch .bin files are not read)"
-    )
+class TensorSource(Protocol):
+    """Named tensors read one at a time (an HF safetensors directory, an mtl checkpoint)."""
+
+    def names(self) -> list[str]: ...
+
+    def meta(self, name: str) -> torch.Tensor:
+        """A ``device="meta"`` tensor with the stored shape and dtype (no data is read)."""
+
+    def get(self, name: str) -> torch.Tensor: ...
 
 
-def write_hf_checkpoint(dst_dir: str | Path, hf_config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-    dst_dir = Path(dst_dir)
-    dst_dir.mkdir(parents=True, exist_ok=True)
-    (dst_dir / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    cpu_tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    save_file(cpu_tensors, str(dst_dir / SAFETENSORS), metadata={"format": "pt"})
+class DictSource:
+    """A ``TensorSource`` over tensors already in memory."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], description: str = "the state"):
+        self.tensors, self.description = tensors, description
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def meta(self, name: str) -> torch.Tensor:
+        return self.get(name).to("meta")
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.description} has no tensor {name}")
+        return self.tensors[name]
 
 
-def take(tensors: dict[str, torch.Tensor], name: str, source: str) -> torch.Tensor:
-    """``tensors.pop(name)``, or a CheckpointError naming the missing tensor and the checkpoint."""
-    if name not in tensors:
-        raise CheckpointError(f"{source}: tensor {name} is missing (is it a checkpoint of another architecture?)")
-    return tensors.pop(name)
+def as_source(state) -> TensorSource:
+    return state if hasattr(state, "meta") and hasattr(state, "get") and hasattr(state, "names") else DictSource(state)
 
 
-def require_consumed(tensors: dict[str, torch.Tensor], source: str) -> None:
-    """Every HF tensor must have found a place: leftovers mean a feature we would drop."""
-    if tensors:
+@dataclass
+class TensorStream:
+    """Converted tensors: ``metas`` (name -> meta tensor, in output order) known up front, and
+    iteration yielding ``(name, tensor)`` with data in the same order."""
+
+    metas: dict[str, torch.Tensor]
+    convert: Convert
+    read: Read
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.convert(self.read):
+            expected = self.metas[name]
+            if tuple(tensor.shape) != tuple(expected.shape) or tensor.dtype != expected.dtype:
+                raise CheckpointError(
+                    f"{name}: stored data has shape {tuple(tensor.shape)} {tensor.dtype} but its header says "
+                    f"{tuple(expected.shape)} {expected.dtype}; the source file is corrupt"
+                )
+            yield name, tensor
+
+
+def stream(convert: Convert, source: TensorSource, *, ignored: Callable[[str], bool] = lambda name: False,
+           description: str = "the source") -> TensorStream:
+    """The two passes over ``convert``: the meta pass now (which also checks that every source
+    tensor found a place, except ``ignored`` ones), the data pass when iterated."""
+    used: set[str] = set()
+
+    def read_meta(name: str) -> torch.Tensor:
+        used.add(name)
+        return source.meta(name)
+
+    metas = {}
+    for name, tensor in convert(read_meta):
+        if name in metas:
+            raise CheckpointError(f"the converter produced {name} twice")
+        metas[name] = tensor
+    leftover = sorted(n for n in source.names() if n not in used and not ignored(n))
+    if leftover:
         raise CheckpointError(
-            f"{source}: {len(tensors)} tensors have no place in the mtl model, e.g. {sorted(tensors)[:4]}; "
+            f"{description}: {len(leftover)} tensors have no place in the converted model, e.g. {leftover[:4]}; "
             "the checkpoint uses a feature this converter does not support"
         )
+    return TensorStream(metas, convert, source.get)
 
 
 def fuse_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -92,21 +122,6 @@ def split_qkv(fused: torch.Tensor, num_heads: int, num_groups: int, head_dim: in
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
-def padded_vocab_size(model_section: dict[str, Any], tp: int) -> int:
-    """The padded vocabulary the resolved config gives this model section at ``tp``."""
-    config = config_from_dict({"model": model_section, "parallel": {"tp": tp}}, source="converted HF config")
-    return config.resolve(world_size=tp).model.padded_vocab_size
-
-
-def pad_vocab_rows(table: torch.Tensor, padded_vocab: int) -> torch.Tensor:
-    """[vocab, h] -> [padded_vocab, h], the new rows zero (never sampled: generate drops them)."""
-    vocab = table.shape[0]
-    if vocab > padded_vocab:
-        raise ConfigError(f"vocabulary {vocab} is larger than the padded size {padded_vocab}")
-    padding = table.new_zeros(padded_vocab - vocab, *table.shape[1:])
-    return torch.cat((table, padding), dim=0)
-
-
 def check_resolved(model_config) -> None:
-    if model_config.padded_vocab_size is None or model_config.head_dim is None:
-        raise ConfigError("from_mtl needs the resolved model config (RunConfig.resolve fills padded_vocab_size, head_dim)")
+    if model_config.head_dim is None or model_config.vocab_size is None:
+        raise ConfigError("from_mtl needs the resolved model config (RunConfig.resolve fills head_dim, vocab_size)")

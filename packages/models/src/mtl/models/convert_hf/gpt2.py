@@ -8,25 +8,20 @@ group-major (for GPT-2 a group is one head). The LM head is tied to ``wte``.
 from __future__ import annotations
 
 import logging
-from typing import Any
+import re
+from typing import Any, Iterator
 
 import torch
 
 from mtl.core.errors import ConfigError
-from mtl.models.convert_hf.common import (
-    check_resolved,
-    fuse_qkv,
-    pad_vocab_rows,
-    padded_vocab_size,
-    require_consumed,
-    split_qkv,
-    take,
-)
+from mtl.models.convert_hf.common import Read, check_resolved, fuse_qkv, split_qkv
 
 log = logging.getLogger(__name__)
 
 # HF activation names: exact (erf) GELU is ours; the tanh approximations differ by < 1e-3
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+# the tied LM head, and the causal-mask buffers of old checkpoints
+IGNORED = re.compile(r"^(lm_head\.weight|(transformer\.)?h\.\d+\.attn\.(masked_)?bias)$")
 
 
 def gpt2_model_section(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -70,46 +65,33 @@ def gpt2_model_section(hf: dict[str, Any], source: str) -> dict[str, Any]:
     }
 
 
-def gpt2_to_mtl(hf: dict[str, Any], tensors: dict[str, torch.Tensor], source: str, tp: int):
-    section = gpt2_model_section(hf, source)
-    heads = section["num_attention_heads"]
-    hidden = section["hidden_size"]
-    tensors = {k.removeprefix("transformer."): v for k, v in tensors.items()}
-    tensors.pop("lm_head.weight", None)  # tied to wte
-    state = {
-        "embedding.word_embeddings.weight": pad_vocab_rows(take(tensors, "wte.weight", source), padded_vocab_size(section, tp)),
-        "embedding.position_embeddings.weight": take(tensors, "wpe.weight", source),
-        "final_norm.weight": take(tensors, "ln_f.weight", source),
-        "final_norm.bias": take(tensors, "ln_f.bias", source),
-    }
+def gpt2_to_mtl(section: dict[str, Any], read: Read, prefix: str = "transformer.") -> Iterator[tuple[str, torch.Tensor]]:
+    """Our tensors from GPT-2's, one at a time (``prefix``: "" in checkpoints saved without it)."""
+    heads, hidden = section["num_attention_heads"], section["hidden_size"]
+    yield "embedding.word_embeddings.weight", read(prefix + "wte.weight")
+    yield "embedding.position_embeddings.weight", read(prefix + "wpe.weight")
     for i in range(section["num_layers"]):
-        hf_layer, ours = f"h.{i}.", f"layers.{i}."
-
-        def pop(name: str, prefix: str = hf_layer) -> torch.Tensor:
-            return take(tensors, prefix + name, source)
-
+        hf_layer, ours = f"{prefix}h.{i}.", f"layers.{i}."
         for suffix in ("weight", "bias"):
-            state[ours + f"input_norm.{suffix}"] = pop(f"ln_1.{suffix}")
-            state[ours + f"pre_mlp_norm.{suffix}"] = pop(f"ln_2.{suffix}")
-        c_attn_w = pop("attn.c_attn.weight").t()  # Conv1D [h, 3h] -> Linear [3h, h]
-        c_attn_b = pop("attn.c_attn.bias")
-        state[ours + "self_attention.linear_qkv.weight"] = fuse_qkv(*c_attn_w.split(hidden), num_groups=heads)
-        state[ours + "self_attention.linear_qkv.bias"] = fuse_qkv(*c_attn_b.split(hidden), num_groups=heads)
-        state[ours + "self_attention.linear_proj.weight"] = pop("attn.c_proj.weight").t().contiguous()
-        state[ours + "self_attention.linear_proj.bias"] = pop("attn.c_proj.bias")
-        state[ours + "mlp.linear_fc1.weight"] = pop("mlp.c_fc.weight").t().contiguous()
-        state[ours + "mlp.linear_fc1.bias"] = pop("mlp.c_fc.bias")
-        state[ours + "mlp.linear_fc2.weight"] = pop("mlp.c_proj.weight").t().contiguous()
-        state[ours + "mlp.linear_fc2.bias"] = pop("mlp.c_proj.bias")
-        for buffer in ("attn.bias", "attn.masked_bias"):  # causal-mask buffers of old checkpoints
-            tensors.pop(hf_layer + buffer, None)
-    require_consumed(tensors, source)
-    return section, state
+            yield ours + f"input_norm.{suffix}", read(hf_layer + f"ln_1.{suffix}")
+        c_attn_w = read(hf_layer + "attn.c_attn.weight").t()  # Conv1D [h, 3h] -> Linear [3h, h]
+        yield ours + "self_attention.linear_qkv.weight", fuse_qkv(*c_attn_w.split(hidden), num_groups=heads)
+        c_attn_b = read(hf_layer + "attn.c_attn.bias")
+        yield ours + "self_attention.linear_qkv.bias", fuse_qkv(*c_attn_b.split(hidden), num_groups=heads)
+        yield ours + "self_attention.linear_proj.weight", read(hf_layer + "attn.c_proj.weight").t().contiguous()
+        yield ours + "self_attention.linear_proj.bias", read(hf_layer + "attn.c_proj.bias")
+        for suffix in ("weight", "bias"):
+            yield ours + f"pre_mlp_norm.{suffix}", read(hf_layer + f"ln_2.{suffix}")
+        yield ours + "mlp.linear_fc1.weight", read(hf_layer + "mlp.c_fc.weight").t().contiguous()
+        yield ours + "mlp.linear_fc1.bias", read(hf_layer + "mlp.c_fc.bias")
+        yield ours + "mlp.linear_fc2.weight", read(hf_layer + "mlp.c_proj.weight").t().contiguous()
+        yield ours + "mlp.linear_fc2.bias", read(hf_layer + "mlp.c_proj.bias")
+    yield "final_norm.weight", read(prefix + "ln_f.weight")
+    yield "final_norm.bias", read(prefix + "ln_f.bias")
 
 
-def gpt2_from_mtl(model_config, state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    check_resolved(model_config)
-    m = model_config
+def check_gpt2_exportable(m) -> None:
+    check_resolved(m)
     if m.num_query_groups != m.num_attention_heads or m.head_dim * m.num_attention_heads != m.hidden_size:
         raise ConfigError(
             "GPT-2 export needs plain multi-head attention with head_dim * heads == hidden_size "
@@ -121,30 +103,34 @@ def gpt2_from_mtl(model_config, state: dict[str, torch.Tensor]) -> tuple[dict[st
             f"GPT-2 export needs model.bias = true, model.tie_embeddings = true, model.qk_norm = false "
             f"(have {m.bias}, {m.tie_embeddings}, {m.qk_norm})"
         )
-    dtype = state["embedding.word_embeddings.weight"].dtype
-    tensors = {
-        "transformer.wte.weight": state["embedding.word_embeddings.weight"][: m.vocab_size],
-        "transformer.wpe.weight": state["embedding.position_embeddings.weight"],
-        "transformer.ln_f.weight": state["final_norm.weight"],
-        "transformer.ln_f.bias": state["final_norm.bias"],
-    }
+
+
+def gpt2_from_mtl(m, read: Read) -> Iterator[tuple[str, torch.Tensor]]:
+    """GPT-2's tensors from ours, one at a time (the layer's q/k/v from one fused read)."""
+    yield "transformer.wte.weight", read("embedding.word_embeddings.weight")
+    yield "transformer.wpe.weight", read("embedding.position_embeddings.weight")
+    split = (m.num_attention_heads, m.num_query_groups, m.head_dim)
     for i in range(m.num_layers):
         hf_layer, ours = f"transformer.h.{i}.", f"layers.{i}."
         for suffix in ("weight", "bias"):
-            tensors[hf_layer + f"ln_1.{suffix}"] = state[ours + f"input_norm.{suffix}"]
-            tensors[hf_layer + f"ln_2.{suffix}"] = state[ours + f"pre_mlp_norm.{suffix}"]
-        split = (m.num_attention_heads, m.num_query_groups, m.head_dim)
-        qkv_w = split_qkv(state[ours + "self_attention.linear_qkv.weight"], *split)
-        qkv_b = split_qkv(state[ours + "self_attention.linear_qkv.bias"], *split)
-        tensors[hf_layer + "attn.c_attn.weight"] = torch.cat(qkv_w, dim=0).t()  # -> Conv1D [h, 3h]
-        tensors[hf_layer + "attn.c_attn.bias"] = torch.cat(qkv_b, dim=0)
-        tensors[hf_layer + "attn.c_proj.weight"] = state[ours + "self_attention.linear_proj.weight"].t()
-        tensors[hf_layer + "attn.c_proj.bias"] = state[ours + "self_attention.linear_proj.bias"]
-        tensors[hf_layer + "mlp.c_fc.weight"] = state[ours + "mlp.linear_fc1.weight"].t()
-        tensors[hf_layer + "mlp.c_fc.bias"] = state[ours + "mlp.linear_fc1.bias"]
-        tensors[hf_layer + "mlp.c_proj.weight"] = state[ours + "mlp.linear_fc2.weight"].t()
-        tensors[hf_layer + "mlp.c_proj.bias"] = state[ours + "mlp.linear_fc2.bias"]
-    hf_config = {
+            yield hf_layer + f"ln_1.{suffix}", read(ours + f"input_norm.{suffix}")
+            yield hf_layer + f"ln_2.{suffix}", read(ours + f"pre_mlp_norm.{suffix}")
+        qkv_w = split_qkv(read(ours + "self_attention.linear_qkv.weight"), *split)
+        yield hf_layer + "attn.c_attn.weight", torch.cat(qkv_w, dim=0).t()  # -> Conv1D [h, 3h]
+        qkv_b = split_qkv(read(ours + "self_attention.linear_qkv.bias"), *split)
+        yield hf_layer + "attn.c_attn.bias", torch.cat(qkv_b, dim=0)
+        yield hf_layer + "attn.c_proj.weight", read(ours + "self_attention.linear_proj.weight").t()
+        yield hf_layer + "attn.c_proj.bias", read(ours + "self_attention.linear_proj.bias")
+        yield hf_layer + "mlp.c_fc.weight", read(ours + "mlp.linear_fc1.weight").t()
+        yield hf_layer + "mlp.c_fc.bias", read(ours + "mlp.linear_fc1.bias")
+        yield hf_layer + "mlp.c_proj.weight", read(ours + "mlp.linear_fc2.weight").t()
+        yield hf_layer + "mlp.c_proj.bias", read(ours + "mlp.linear_fc2.bias")
+    yield "transformer.ln_f.weight", read("final_norm.weight")
+    yield "transformer.ln_f.bias", read("final_norm.bias")
+
+
+def gpt2_config(m, dtype: torch.dtype) -> dict[str, Any]:
+    return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
         "n_embd": m.hidden_size,
@@ -162,4 +148,3 @@ def gpt2_from_mtl(model_config, state: dict[str, torch.Tensor]) -> tuple[dict[st
         "initializer_range": m.init_std,
         "dtype": str(dtype).removeprefix("torch."),
     }
-    return hf_config, tensors

@@ -1,50 +1,70 @@
-"""Llama (``LlamaForCausalLM``) <-> mtl ``gpt`` family.
+"""Llama-style checkpoints (``LlamaForCausalLM`` and the Mistral and Qwen2 variants) <-> mtl
+``gpt`` family: the tensor mapping they share, and Llama's config.json.
 
 HF keeps q/k/v as separate head-major projections already permuted to the rotate-half RoPE
 convention that ``mtl.models.gpt.rope`` implements, so no permutation is needed: we fuse
-q/k/v group-major and stack gate/up as the ``[2, ffn, h]`` fc1.
+q/k/v group-major and stack gate/up as the ``[2, ffn, h]`` fc1. Biases: ``model.bias`` puts
+them on every linear (Llama's ``attention_bias = mlp_bias = true``), ``model.qkv_bias`` on
+q/k/v alone (Qwen2).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, Iterator
 
 import torch
 
 from mtl.core.errors import ConfigError
-from mtl.models.convert_hf.common import (
-    check_resolved,
-    fuse_qkv,
-    pad_vocab_rows,
-    padded_vocab_size,
-    require_consumed,
-    split_qkv,
-    take,
-)
+from mtl.models.convert_hf.common import Read, check_resolved, fuse_qkv, split_qkv
+
+# a tied LM head saved anyway, and the RoPE buffer of old checkpoints
+IGNORED_TIED = re.compile(r"^(lm_head\.weight|model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq)$")
+IGNORED_UNTIED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+LLAMA3_ROPE_KEYS = {  # HF rope_parameters key -> our model key
+    "factor": "rope_scaling_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "original_max_position_embeddings": "rope_original_max_position_embeddings",
+}
 
 
-def _rope_theta(hf: dict[str, Any], source: str) -> float:
-    """RoPE base from ``rope_parameters`` (transformers >= 5) or ``rope_theta``/``rope_scaling``."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type != "default":
-        raise ConfigError(
-            f"{source}: rope type {rope_type!r} (scaled RoPE) is not supported; mtl implements plain RoPE"
-        )
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+def rope_section(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """RoPE keys from ``rope_parameters`` (transformers >= 5) or ``rope_theta``/``rope_scaling``."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return {"rope_theta": theta, "rope_scaling": "none"}
+    if rope_type == "llama3":
+        missing = [key for key in LLAMA3_ROPE_KEYS if key not in params]
+        if missing:
+            raise ConfigError(f"{source}: rope type 'llama3' needs {', '.join(missing)} in rope_parameters/rope_scaling")
+        section = {"rope_theta": theta, "rope_scaling": "llama3"}
+        section.update({ours: params[key] for key, ours in LLAMA3_ROPE_KEYS.items()})
+        return section
+    raise ConfigError(
+        f"{source}: rope type {rope_type!r} (rope_parameters/rope_scaling) is not supported; mtl implements "
+        "plain RoPE ('default') and Llama 3's scaling ('llama3')"
+    )
 
 
-def llama_model_section(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    """Our ``[model]`` keys for a Llama config.json."""
+def rope_config(m) -> dict[str, Any]:
+    """The config.json RoPE keys of a resolved model config (both transformers 4 and 5 read them)."""
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_scaling == "llama3":
+        params["rope_type"] = "llama3"
+        params.update({key: getattr(m, ours) for key, ours in LLAMA3_ROPE_KEYS.items()})
+    elif m.rope_scaling != "none":
+        raise ConfigError(f"model.rope_scaling = {m.rope_scaling!r} has no Hugging Face equivalent")
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"} if m.rope_scaling != "none" else None
+    return {"rope_theta": m.rope_theta, "rope_scaling": scaling, "rope_parameters": params}
+
+
+def llama_like_section(hf: dict[str, Any], source: str, *, bias: bool, qkv_bias: bool) -> dict[str, Any]:
+    """The ``[model]`` keys every Llama-style config.json shares."""
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{source}: hidden_act = {hf['hidden_act']!r}; mtl's Llama MLP is SwiGLU (silu)")
-    attention_bias, mlp_bias = hf.get("attention_bias", False), hf.get("mlp_bias", False)
-    if attention_bias != mlp_bias:
-        raise ConfigError(
-            f"{source}: attention_bias = {attention_bias} and mlp_bias = {mlp_bias} differ; "
-            "mtl has one switch (model.bias) for both"
-        )
     heads = hf["num_attention_heads"]
     return {
         "family": "gpt",
@@ -60,79 +80,96 @@ def llama_model_section(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "norm_eps": hf.get("rms_norm_eps", 1e-6),
         "activation": "swiglu",
         "position_embedding": "rope",
-        "rope_theta": _rope_theta(hf, source),
-        "bias": bool(attention_bias),
+        **rope_section(hf, source),
+        "bias": bias,
+        "qkv_bias": qkv_bias,
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "qk_norm": False,
     }
 
 
-def llama_to_mtl(hf: dict[str, Any], tensors: dict[str, torch.Tensor], source: str, tp: int):
-    section = llama_model_section(hf, source)
+def llama_model_section(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    attention_bias, mlp_bias = hf.get("attention_bias", False), hf.get("mlp_bias", False)
+    if attention_bias != mlp_bias:
+        raise ConfigError(
+            f"{source}: attention_bias = {attention_bias} and mlp_bias = {mlp_bias} differ; "
+            "mtl has one switch (model.bias) for both"
+        )
+    return llama_like_section(hf, source, bias=bool(attention_bias), qkv_bias=False)
+
+
+def llama_ignored(section: dict[str, Any]):
+    return (IGNORED_TIED if section["tie_embeddings"] else IGNORED_UNTIED).match
+
+
+def llama_to_mtl(section: dict[str, Any], read: Read) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our tensors from a Llama-style checkpoint's, one at a time (q/k/v and gate/up as groups)."""
     groups = section["num_query_groups"]
-    padded = padded_vocab_size(section, tp)
-    state = {
-        "embedding.word_embeddings.weight": pad_vocab_rows(take(tensors, "model.embed_tokens.weight", source), padded),
-        "final_norm.weight": take(tensors, "model.norm.weight", source),
-    }
-    if section["tie_embeddings"]:
-        tensors.pop("lm_head.weight", None)
-    else:
-        state["output_layer.weight"] = pad_vocab_rows(take(tensors, "lm_head.weight", source), padded)
-    suffixes = ("weight", "bias") if section["bias"] else ("weight",)
+    all_bias, qkv_bias = section["bias"], section["bias"] or section["qkv_bias"]
+    yield "embedding.word_embeddings.weight", read("model.embed_tokens.weight")
     for i in range(section["num_layers"]):
         hf_layer, ours = f"model.layers.{i}.", f"layers.{i}."
-
-        def pop(name: str, prefix: str = hf_layer) -> torch.Tensor:
-            return take(tensors, prefix + name, source)
-
-        state[ours + "input_norm.weight"] = pop("input_layernorm.weight")
-        state[ours + "pre_mlp_norm.weight"] = pop("post_attention_layernorm.weight")
-        for suffix in suffixes:
-            q, k, v = (pop(f"self_attn.{p}_proj.{suffix}") for p in "qkv")
-            state[ours + f"self_attention.linear_qkv.{suffix}"] = fuse_qkv(q, k, v, num_groups=groups)
-            state[ours + f"self_attention.linear_proj.{suffix}"] = pop(f"self_attn.o_proj.{suffix}")
+        yield ours + "input_norm.weight", read(hf_layer + "input_layernorm.weight")
+        for suffix in ("weight", "bias") if qkv_bias else ("weight",):
+            q, k, v = (read(hf_layer + f"self_attn.{p}_proj.{suffix}") for p in "qkv")
+            yield ours + f"self_attention.linear_qkv.{suffix}", fuse_qkv(q, k, v, num_groups=groups)
+        for suffix in ("weight", "bias") if all_bias else ("weight",):
+            yield ours + f"self_attention.linear_proj.{suffix}", read(hf_layer + f"self_attn.o_proj.{suffix}")
+        yield ours + "pre_mlp_norm.weight", read(hf_layer + "post_attention_layernorm.weight")
+        for suffix in ("weight", "bias") if all_bias else ("weight",):
             # [2, ffn, ...]: gate then up, the layout of our fused SwiGLU fc1
-            state[ours + f"mlp.linear_fc1.{suffix}"] = torch.stack((pop(f"mlp.gate_proj.{suffix}"), pop(f"mlp.up_proj.{suffix}")))
-            state[ours + f"mlp.linear_fc2.{suffix}"] = pop(f"mlp.down_proj.{suffix}")
-    for name in [n for n in tensors if n.endswith("rotary_emb.inv_freq")]:  # a buffer in old checkpoints
-        tensors.pop(name)
-    require_consumed(tensors, source)
-    return section, state
+            gate, up = read(hf_layer + f"mlp.gate_proj.{suffix}"), read(hf_layer + f"mlp.up_proj.{suffix}")
+            yield ours + f"mlp.linear_fc1.{suffix}", torch.stack((gate, up))
+            yield ours + f"mlp.linear_fc2.{suffix}", read(hf_layer + f"mlp.down_proj.{suffix}")
+    yield "final_norm.weight", read("model.norm.weight")
+    if not section["tie_embeddings"]:
+        yield "output_layer.weight", read("lm_head.weight")
 
 
-def llama_from_mtl(model_config, state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    check_resolved(model_config)
-    m = model_config
+def check_llama_like_exportable(m, architecture: str, *, qkv_bias_only: bool) -> None:
+    check_resolved(m)
     if m.qk_norm:
-        raise ConfigError("Llama export: model.qk_norm = true has no place in LlamaForCausalLM")
-    vocab = m.vocab_size
-    tensors = {
-        "model.embed_tokens.weight": state["embedding.word_embeddings.weight"][:vocab],
-        "model.norm.weight": state["final_norm.weight"],
-    }
-    if not m.tie_embeddings:
-        tensors["lm_head.weight"] = state["output_layer.weight"][:vocab]
-    suffixes = ("weight", "bias") if m.bias else ("weight",)
+        raise ConfigError(f"{architecture} export: model.qk_norm = true has no place in {architecture}")
+    if (m.qkv_bias and not m.bias) != qkv_bias_only:
+        need = "model.qkv_bias = true with model.bias = false" if qkv_bias_only else (
+            "model.qkv_bias = false (or model.bias = true)")
+        raise ConfigError(
+            f"{architecture} export needs {need} (have bias = {m.bias}, qkv_bias = {m.qkv_bias}); "
+            "models with q/k/v biases alone export as Qwen2 (--hf-architecture qwen2)"
+        )
+
+
+def llama_from_mtl(m, read: Read) -> Iterator[tuple[str, torch.Tensor]]:
+    """A Llama-style checkpoint's tensors from ours, one at a time."""
+    all_bias, qkv_bias = m.bias, m.bias or m.qkv_bias
+    yield "model.embed_tokens.weight", read("embedding.word_embeddings.weight")
     for i in range(m.num_layers):
         hf_layer, ours = f"model.layers.{i}.", f"layers.{i}."
-        tensors[hf_layer + "input_layernorm.weight"] = state[ours + "input_norm.weight"]
-        tensors[hf_layer + "post_attention_layernorm.weight"] = state[ours + "pre_mlp_norm.weight"]
-        for suffix in suffixes:
-            q, k, v = split_qkv(
-                state[ours + f"self_attention.linear_qkv.{suffix}"], m.num_attention_heads, m.num_query_groups, m.head_dim
-            )
-            tensors[hf_layer + f"self_attn.q_proj.{suffix}"] = q
-            tensors[hf_layer + f"self_attn.k_proj.{suffix}"] = k
-            tensors[hf_layer + f"self_attn.v_proj.{suffix}"] = v
-            tensors[hf_layer + f"self_attn.o_proj.{suffix}"] = state[ours + f"self_attention.linear_proj.{suffix}"]
-            gate, up = state[ours + f"mlp.linear_fc1.{suffix}"]
-            tensors[hf_layer + f"mlp.gate_proj.{suffix}"] = gate
-            tensors[hf_layer + f"mlp.up_proj.{suffix}"] = up
-            tensors[hf_layer + f"mlp.down_proj.{suffix}"] = state[ours + f"mlp.linear_fc2.{suffix}"]
-    hf_config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        yield hf_layer + "input_layernorm.weight", read(ours + "input_norm.weight")
+        for suffix in ("weight", "bias") if qkv_bias else ("weight",):
+            fused = read(ours + f"self_attention.linear_qkv.{suffix}")
+            q, k, v = split_qkv(fused, m.num_attention_heads, m.num_query_groups, m.head_dim)
+            yield hf_layer + f"self_attn.q_proj.{suffix}", q
+            yield hf_layer + f"self_attn.k_proj.{suffix}", k
+            yield hf_layer + f"self_attn.v_proj.{suffix}", v
+        for suffix in ("weight", "bias") if all_bias else ("weight",):
+            yield hf_layer + f"self_attn.o_proj.{suffix}", read(ours + f"self_attention.linear_proj.{suffix}")
+        yield hf_layer + "post_attention_layernorm.weight", read(ours + "pre_mlp_norm.weight")
+        for suffix in ("weight", "bias") if all_bias else ("weight",):
+            gate, up = read(ours + f"mlp.linear_fc1.{suffix}")
+            yield hf_layer + f"mlp.gate_proj.{suffix}", gate
+            yield hf_layer + f"mlp.up_proj.{suffix}", up
+            yield hf_layer + f"mlp.down_proj.{suffix}", read(ours + f"mlp.linear_fc2.{suffix}")
+    yield "model.norm.weight", read("final_norm.weight")
+    if not m.tie_embeddings:
+        yield "lm_head.weight", read("output_layer.weight")
+
+
+def llama_like_config(m, dtype: torch.dtype, architecture: str, model_type: str) -> dict[str, Any]:
+    """The config.json keys every Llama-style architecture shares."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
         "hidden_size": m.hidden_size,
         "intermediate_size": m.ffn_hidden_size,
         "num_hidden_layers": m.num_layers,
@@ -140,16 +177,20 @@ def llama_from_mtl(model_config, state: dict[str, torch.Tensor]) -> tuple[dict[s
         "num_key_value_heads": m.num_query_groups,
         "head_dim": m.head_dim,
         "max_position_embeddings": m.max_position_embeddings,
-        "vocab_size": vocab,
+        "vocab_size": m.vocab_size,
         "rms_norm_eps": m.norm_eps,
         "hidden_act": "silu",
-        "rope_theta": m.rope_theta,  # read by transformers < 5
-        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
-        "attention_bias": m.bias,
-        "mlp_bias": m.bias,
+        **rope_config(m),
         "attention_dropout": m.attention_dropout,
         "tie_word_embeddings": m.tie_embeddings,
         "initializer_range": m.init_std,
-        "dtype": str(state["embedding.word_embeddings.weight"].dtype).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch."),
     }
-    return hf_config, tensors
+
+
+def check_llama_exportable(m) -> None:
+    check_llama_like_exportable(m, "LlamaForCausalLM", qkv_bias_only=False)
+
+
+def llama_config(m, dtype: torch.dtype) -> dict[str, Any]:
+    return {**llama_like_config(m, dtype, "LlamaForCausalLM", "llama"), "attention_bias": m.bias, "mlp_bias": m.bias}

@@ -1,5 +1,8 @@
 """Self-attention: fused QKV, optional QK-norm, RoPE, the backend's core attention, output projection.
 
+``bias`` is the output projection's bias; ``qkv_bias`` the fused QKV linear's (true whenever
+``bias`` is, and alone for Qwen2-style models).
+
 The fused QKV weight is ``[groups * (heads_per_group + 2) * d, h]`` with rows ordered
 group-major: ``[g0: its q heads, k, v][g1: ...]``. A column-parallel split of its rows is
 then a split over query groups, so each TP rank holds whole groups (their q heads with the
@@ -39,6 +42,7 @@ class SelfAttention(nn.Module):
         num_query_groups: int,
         head_dim: int,
         bias: bool,
+        qkv_bias: bool,
         init_std: float,
         output_init_std: float,
         attention_dropout: float,
@@ -60,7 +64,7 @@ class SelfAttention(nn.Module):
             submodules.linear_qkv,
             hidden_size,
             qkv_width,
-            bias=bias,
+            bias=qkv_bias,
             init_std=init_std,
             topology=topology,
             sequence_parallel=sequence_parallel,

@@ -38,6 +38,8 @@ def layer_spec(config: RunConfig, backend: Backend) -> ModuleSpec:
             "num_query_groups": m.num_query_groups,
             "head_dim": m.head_dim,
             "bias": m.bias,
+            # Qwen2 style: biases on the query/key/value projection alone
+            "qkv_bias": m.bias or m.qkv_bias,
             "init_std": m.init_std,
             "output_init_std": output_init_std(config),
             "attention_dropout": m.attention_dropout,
