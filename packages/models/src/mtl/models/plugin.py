@@ -6,12 +6,13 @@ from __future__ import annotations
 from mtl.core.hookspecs import hookimpl
 from mtl.core.registrations import ModelFamily
 from mtl.models.convert_hf import HFConverter
+from mtl.models.convert_megatron import MegatronConverter
 from mtl.models.gpt import build_gpt
 
 GPT_FAMILY = ModelFamily(
     name="gpt",
     build=build_gpt,
-    converters={"hf": HFConverter()},
+    converters={"hf": HFConverter(), "megatron": MegatronConverter()},
     description="GPT-2 and Llama style decoders (RoPE/learned positions, RMSNorm/LayerNorm, SwiGLU/GELU, GQA)",
 )
 
