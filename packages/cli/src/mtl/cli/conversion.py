@@ -1,27 +1,66 @@
-"""Checkpoint conversion around a model family's converter: the family maps tensors and
-config keys; this module does the file I/O (mtl.ckpt) and carries tokenizer files."""
+"""Checkpoint conversion around a model family's converters: the family maps tensors and
+config keys; this module does the file I/O, one tensor at a time, and carries tokenizer files.
+
+Import (``--from NAME --to mtl``): the converter's tensors (a lazy ``TensorStream`` where the
+converter has ``stream_to_mtl``, else its dict, emptied as it is written) go one by one into a
+``StreamingCheckpointWriter``, each chunked as the target layout (``--tp``/``--pp``) shards it,
+and the stored config says that layout. Export (``--from mtl --to NAME``): the converter reads
+the checkpoint's global tensors, whatever layout saved them, one at a time (``CheckpointSource``).
+"""
 
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import click
 import torch
 
-from mtl.ckpt import read_metadata
-from mtl.ckpt import save as ckpt_save
+from mtl.ckpt import ShardedTensor, latest_iteration, read_metadata
+from mtl.ckpt import load as ckpt_load
+from mtl.ckpt.directory import read_manifest
+from mtl.ckpt.storage import dtype_from_name
+from mtl.ckpt.stream_writer import StreamingCheckpointWriter
 from mtl.core.config import RunConfig
 from mtl.core.config_io import config_from_dict
 from mtl.core.errors import CheckpointError, ConfigError
 from mtl.core.plugins import registry
-from mtl.models.param_layout import global_layout
+from mtl.models.param_layout import parameter_entries
 from mtl.parallel.topology import Topology
-from mtl.train.checkpointing import model_sharded_state, software_versions
-from mtl.train.inference import load_for_inference
+from mtl.train.checkpointing import software_versions
+from mtl.train.inference import single_process_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model")
+HF_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+MODEL_PREFIX = "model."
+
+
+def converter_formats() -> dict[str, list[str]]:
+    """Converter name -> the model families that register one under that name."""
+    formats: dict[str, list[str]] = {}
+    families = registry("model family")
+    for family in families.names():
+        for name in families.get(family).converters:
+            formats.setdefault(name, []).append(family)
+    return formats
+
+
+def _family_for(fmt: str, family: str | None) -> str:
+    formats = converter_formats()
+    if fmt not in formats:
+        known = ", ".join(sorted(formats)) or "none"
+        raise ConfigError(f"no model family registers a '{fmt}' converter (installed converters: {known})")
+    if family is None:
+        if len(formats[fmt]) > 1:
+            raise ConfigError(f"model families {', '.join(formats[fmt])} all have a '{fmt}' converter; pick one with --family")
+        return formats[fmt][0]
+    if family not in formats[fmt]:
+        raise ConfigError(f"model family '{family}' has no '{fmt}' converter (families with one: {', '.join(formats[fmt])})")
+    return family
 
 
 def _converter(family: str, fmt: str):
@@ -31,82 +70,201 @@ def _converter(family: str, fmt: str):
     return converters[fmt]
 
 
-def _detect_tokenizer(directory: Path) -> tuple[str, str | None]:
-    """Which of our tokenizers reads the HF tokenizer files in ``directory``."""
+def _detect_tokenizer(directory: Path) -> tuple[str, str] | None:
+    """(our tokenizer name, its file inside the converted checkpoint) for the HF tokenizer
+    files in ``directory``, or None when it has none."""
     if (directory / "tokenizer.json").exists():
         return "hf", "tokenizer/tokenizer.json"
     if (directory / "vocab.json").exists() and (directory / "merges.txt").exists():
         return "gpt2-bpe", "tokenizer"
     if (directory / "tokenizer.model").exists():
         return "sentencepiece", "tokenizer/tokenizer.model"
-    return "byte", None
+    return None
 
 
-HF_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
-def _hf_token_ids(src_dir: Path) -> dict:
-    """The special-token ids of an HF config.json: our model config has no place for them,
-    so the checkpoint's metadata carries them back to the exported config.json."""
+def _hf_config(src_dir: Path) -> dict:
+    """config.json of an HF checkpoint, or {} for a source that has none (another format)."""
+    path = src_dir / "config.json"
+    if not path.is_file():
+        return {}
     try:
-        hf_config = json.loads((src_dir / "config.json").read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{src_dir / 'config.json'} is not readable JSON: {exc}") from exc
-    return {key: hf_config[key] for key in HF_TOKEN_ID_KEYS if key in hf_config}
+        raise CheckpointError(f"{path} is not readable JSON: {exc}") from exc
 
 
-def hf_to_mtl(src: str, dst: str, family: str = "gpt") -> RunConfig:
+def target_layout(cfg: RunConfig, family: str) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Global name -> (global shape, chunk shape): the chunk is TP rank 0's box at
+    ``cfg.parallel.tp``, so every rank of a run at that layout reads whole chunks. Built on
+    the meta device: no memory, no process group."""
+    topology = Topology(tp=cfg.parallel.tp, rank=0)
+    with torch.device("meta"):
+        model = registry("model family").get(family).build(cfg, topology, registry("backend").get(cfg.model.backend))
+    return {e.global_name: (e.global_shape, tuple(max(1, n) for n in e.view(e.param).shape))
+            for e in parameter_entries(model, topology)}
+
+
+def _check_fits(metas: dict[str, torch.Tensor], layout: dict, src: str) -> None:
+    missing, unexpected = sorted(set(layout) - set(metas)), sorted(set(metas) - set(layout))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{src}: the converted tensors do not fit the model its config describes: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    for name, (global_shape, _) in layout.items():
+        if tuple(metas[name].shape) != tuple(global_shape):
+            raise CheckpointError(f"{src}: {name} converts to shape {tuple(metas[name].shape)}, the model's is {tuple(global_shape)}")
+
+
+def _converted_tensors(converter, src_dir: Path, options: dict[str, Any]):
+    """(model section, name -> meta tensor, iterator of (name, tensor)) from any converter."""
+    if hasattr(converter, "stream_to_mtl"):
+        section, tensors = converter.stream_to_mtl(src_dir, **options)
+        return section, tensors.metas, iter(tensors)
+    section, state = converter.to_mtl(src_dir, **options)
+    metas = {name: tensor.to("meta") for name, tensor in state.items()}
+
+    def drain():  # hand each tensor over and drop our reference, so it is freed once written
+        for name in list(state):
+            yield name, state.pop(name)
+
+    return section, metas, drain()
+
+
+@dataclass
+class ImportResult:
+    config: RunConfig
+    tensors: int
+    has_tokenizer: bool
+
+
+def to_mtl(src: str, dst: str, *, src_format: str = "hf", family: str | None = None, tp: int = 1, pp: int = 1,
+           **options) -> ImportResult:
+    """Convert ``src`` (a ``src_format`` checkpoint) into an mtl checkpoint at ``dst`` stored for
+    the ``tp`` x ``pp`` layout. ``options`` (e.g. ``vocab_size``) go to the converter."""
     src_dir, dst_dir = Path(src), Path(dst)
-    if not (src_dir / "config.json").exists():
-        raise CheckpointError(f"{src_dir} is not a Hugging Face checkpoint (no config.json)")
-    model_section, state = _converter(family, "hf").to_mtl(src_dir)
-    tokenizer, tokenizer_model = _detect_tokenizer(src_dir)
-    cfg = config_from_dict({"model": {**model_section, "family": family},
-                            "data": {"tokenizer": tokenizer, "tokenizer_model": tokenizer_model}})
-    cfg = cfg.resolve(world_size=1)
-    with torch.device("cpu"):
-        model = registry("model family").get(family).build(cfg, Topology.single(), registry("backend").get("local"))
-    layout = global_layout(model, Topology.single())
-    missing = sorted(set(layout) - set(state))
-    if missing:
-        raise CheckpointError(f"the converter produced no tensor for {missing[:5]} (of {len(missing)})")
-    with torch.no_grad():
-        for name, (local, global_shape, _) in layout.items():
-            tensor = state[name]
-            if tuple(tensor.shape) != tuple(global_shape):
-                raise CheckpointError(f"{name}: converted shape {tuple(tensor.shape)} != model shape {tuple(global_shape)}")
-            local.copy_(tensor.view(local.shape))
-    dst_dir.mkdir(parents=True, exist_ok=True)
-    if tokenizer_model is not None:
+    if not src_dir.exists():
+        raise CheckpointError(f"{src_dir} does not exist: give the {src_format} checkpoint directory to convert")
+    family = _family_for(src_format, family)
+    section, metas, tensors = _converted_tensors(_converter(family, src_format), src_dir, options)
+    tokenizer = _detect_tokenizer(src_dir)
+    data = {"tokenizer": tokenizer[0], "tokenizer_model": tokenizer[1]} if tokenizer else {}
+    cfg = config_from_dict({"model": {**section, "family": family}, "parallel": {"tp": tp, "pp": pp}, "data": data},
+                           source=f"the config converted from {src_dir}")
+    cfg = cfg.resolve(world_size=tp * pp)
+    layout = target_layout(cfg, family)
+    _check_fits(metas, layout, str(src_dir))
+    if tokenizer is None:
+        click.echo(
+            f"warning: {src_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); the checkpoint records "
+            "none, so `mtl generate` on it needs --tokenizer NAME [--tokenizer-model PATH]", err=True)
+    hf_config = _hf_config(src_dir)
+    metadata = {"iteration": 0, "consumed_samples": 0, "model_only": True, "config": cfg.to_dict(),
+                "versions": software_versions(), "world_size": tp * pp, "converted_from": str(src_dir),
+                "source_format": src_format, "has_tokenizer": tokenizer is not None,
+                "hf_token_ids": {key: hf_config[key] for key in HF_TOKEN_ID_KEYS if key in hf_config}}
+    if src_format == "hf" and "model_type" in hf_config:
+        metadata["hf_architecture"] = hf_config["model_type"]  # exported back as the same architecture
+    writer = StreamingCheckpointWriter(str(dst_dir), 0, metadata)
+    count = 0
+    for name, tensor in tensors:
+        writer.write(MODEL_PREFIX + name, tensor, layout[name][1])
+        del tensor  # the only reference: one converted tensor (or q/k/v group) alive at a time
+        count += 1
+    if tokenizer is not None:
         (dst_dir / "tokenizer").mkdir(exist_ok=True)
         for name in TOKENIZER_FILES:
             if (src_dir / name).exists():
                 shutil.copy2(src_dir / name, dst_dir / "tokenizer" / name)
-    metadata = {"iteration": 0, "consumed_samples": 0, "model_only": True, "config": cfg.to_dict(),
-                "versions": software_versions(), "world_size": 1, "converted_from": str(src_dir),
-                "hf_token_ids": _hf_token_ids(src_dir)}
-    ckpt_save(model_sharded_state([model], Topology.single()), dst_dir, 0, metadata)
-    return cfg
+    writer.commit()
+    return ImportResult(cfg, count, tokenizer is not None)
 
 
-def mtl_to_hf(src: str, dst: str, family: str | None = None) -> None:
-    """Export an mtl checkpoint as ``config.json`` + ``model.safetensors`` (+ tokenizer files).
-    ``family`` defaults to the one the checkpoint's config names."""
+def hf_to_mtl(src: str, dst: str, family: str = "gpt", *, tp: int = 1, pp: int = 1) -> RunConfig:
+    return to_mtl(src, dst, src_format="hf", family=family, tp=tp, pp=pp).config
+
+
+class CheckpointSource:
+    """A ``TensorSource`` over the model tensors of a committed mtl checkpoint, read one at a
+    time (and verified) whatever layout saved them."""
+
+    def __init__(self, ckpt_dir: str | Path, iteration: int | None = None):
+        self.dir = str(ckpt_dir)
+        self.iteration = latest_iteration(self.dir) if iteration is None else iteration
+        self.entries = {key.removeprefix(MODEL_PREFIX): entry
+                        for key, entry in read_manifest(self.dir, self.iteration)["tensors"].items()
+                        if key.startswith(MODEL_PREFIX)}
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def _entry(self, name: str) -> dict[str, Any]:
+        if name not in self.entries:
+            raise CheckpointError(f"{self.dir} (iteration {self.iteration}) has no tensor {MODEL_PREFIX}{name}")
+        return self.entries[name]
+
+    def meta(self, name: str) -> torch.Tensor:
+        entry = self._entry(name)
+        return torch.empty(entry["global_shape"], dtype=dtype_from_name(entry["dtype"]), device="meta")
+
+    def get(self, name: str) -> torch.Tensor:
+        meta = self.meta(name)
+        key = MODEL_PREFIX + name
+        target = ShardedTensor(key, torch.empty(meta.shape, dtype=meta.dtype), tuple(meta.shape), (0,) * meta.dim())
+        ckpt_load({key: target}, self.dir, self.iteration, strict=True, verify=True)
+        return target.data
+
+
+def _checkpoint_eod(ckpt_dir: Path, cfg: RunConfig, metadata: dict) -> int | None:
+    """The end-of-document id of the checkpoint's tokenizer, where it has one."""
+    if metadata.get("has_tokenizer") is False:
+        return None
+    from mtl.train.inference import resolve_tokenizer_path
+
+    model_path = resolve_tokenizer_path(ckpt_dir, cfg.data.tokenizer_model)
+    return registry("tokenizer").get(cfg.data.tokenizer).build(model_path).eod
+
+
+def from_mtl(src: str, dst: str, *, dst_format: str = "hf", family: str | None = None, **options) -> list[str]:
+    """Export the mtl checkpoint ``src`` (saved at any layout) to ``dst`` through the family's
+    ``dst_format`` converter; returns the files it wrote. For ``hf``, ``options`` may name the
+    ``architecture`` (default: the one converted from, else the config's) and ``max_shard_bytes``."""
     src_dir, dst_dir = Path(src), Path(dst)
-    model, tokenizer, cfg = load_for_inference(src_dir)
-    state = {name: local.detach().clone().view(global_shape)
-             for name, (local, global_shape, _) in global_layout(model, Topology.single()).items()}
+    if not src_dir.is_dir():
+        raise CheckpointError(f"checkpoint directory {src_dir} does not exist")
+    source = CheckpointSource(src_dir)
+    metadata = read_metadata(str(src_dir), source.iteration)
+    cfg = single_process_config(metadata["config"]).resolve(world_size=1)
+    converter = _converter(family or cfg.model.family, dst_format)
+    if not hasattr(converter, "from_mtl"):
+        raise ConfigError(f"the '{dst_format}' converter of model family '{family or cfg.model.family}' only "
+                          f"imports; it cannot write {dst_format} checkpoints")
+    if dst_format == "hf" and options.get("architecture") is None:
+        options["architecture"] = metadata.get("hf_architecture")
+    options = {k: v for k, v in options.items() if v is not None}
     dst_dir.mkdir(parents=True, exist_ok=True)
-    _converter(family or cfg.model.family, "hf").from_mtl(cfg.model, state, dst_dir)
-    # Special-token ids: those of the HF checkpoint this one was converted from, else the
-    # tokenizer's end-of-document token (the exporters write none, and transformers'
-    # defaults, e.g. GPT-2's 50256, can lie outside a smaller vocabulary).
-    token_ids = read_metadata(str(src_dir)).get("hf_token_ids") or {
-        "bos_token_id": tokenizer.eod, "eos_token_id": tokenizer.eod}
+    files = converter.from_mtl(cfg.model, source, dst_dir, **options)
+    if dst_format == "hf":
+        _write_token_ids(dst_dir, src_dir, cfg, metadata)
+        if (src_dir / "tokenizer").is_dir():
+            for path in (src_dir / "tokenizer").iterdir():
+                shutil.copy2(path, dst_dir / path.name)
+    return list(files or [])
+
+
+def _write_token_ids(dst_dir: Path, src_dir: Path, cfg: RunConfig, metadata: dict) -> None:
+    """Special-token ids: those of the HF checkpoint this one was converted from, else the
+    tokenizer's end-of-document token (the exporters write none, and transformers' defaults,
+    e.g. GPT-2's 50256, can lie outside a smaller vocabulary)."""
+    token_ids = metadata.get("hf_token_ids")
+    if not token_ids:
+        eod = _checkpoint_eod(src_dir, cfg, metadata)
+        token_ids = {} if eod is None else {"bos_token_id": eod, "eos_token_id": eod}
     config_path = dst_dir / "config.json"
     hf_config = json.loads(config_path.read_text())
     hf_config.update(token_ids)
     config_path.write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    if (src_dir / "tokenizer").is_dir():
-        for path in (src_dir / "tokenizer").iterdir():
-            shutil.copy2(path, dst_dir / path.name)
+
+
+def mtl_to_hf(src: str, dst: str, family: str | None = None, **options) -> list[str]:
+    return from_mtl(src, dst, dst_format="hf", family=family, **options)

@@ -45,9 +45,13 @@ def continuation_text(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> s
 
 
 def generate_from_checkpoint(checkpoint: str, prompt: str, *, max_new_tokens: int = 64, temperature: float = 1.0,
-                             top_k: int = 0, seed: int = 0, device: str = "cpu") -> Generation:
+                             top_k: int = 0, seed: int = 0, device: str = "cpu", tokenizer: str | None = None,
+                             tokenizer_model: str | None = None) -> Generation:
+    if tokenizer_model is not None and tokenizer is None:
+        raise ConfigError("--tokenizer-model needs --tokenizer NAME (which tokenizer reads the file)")
     dev = parse_device(device)
-    model, tokenizer, _ = load_for_inference(checkpoint, device=dev)
+    model, tokenizer, _ = load_for_inference(checkpoint, device=dev, tokenizer=tokenizer,
+                                             tokenizer_model=tokenizer_model)
     prompt_ids = tokenizer.encode(prompt)
     if not prompt_ids:
         raise ConfigError(f"--prompt {prompt!r} encodes to no tokens; give a non-empty prompt")

@@ -1,4 +1,4 @@
-"""Loading a trained model from a checkpoint into one process (for generation and export)."""
+"""Loading a trained or converted model from a checkpoint into one process (for generation)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from mtl.ckpt import latest_iteration, load as ckpt_load, read_metadata
 from mtl.core.config import RunConfig
 from mtl.core.config_io import config_from_dict
-from mtl.core.errors import CheckpointError
+from mtl.core.errors import CheckpointError, ConfigError
 from mtl.core.plugins import registry
 from mtl.parallel.topology import Topology
 from mtl.train.checkpointing import model_sharded_state
@@ -20,7 +20,7 @@ def single_process_config(saved: dict) -> RunConfig:
     data = {section: dict(values) for section, values in saved.items()}
     data["parallel"] = {}
     # Resolved model values are kept (they describe the stored tensors) except the padded
-    # vocabulary, which resolve() re-derives for tp=1 and the caller reconciles.
+    # vocabulary, which depends on tp; the stored tables have the true vocabulary's rows at any tp.
     data["model"]["padded_vocab_size"] = None
     return config_from_dict(data)
 
@@ -33,22 +33,29 @@ def resolve_tokenizer_path(ckpt_dir: Path, tokenizer_model: str | None) -> str |
     return str(candidate) if candidate.exists() else tokenizer_model
 
 
-def load_for_inference(ckpt_dir: str | Path, device: str | torch.device = "cpu"):
-    """(model, tokenizer, config) from an mtl checkpoint, on one process."""
+def load_for_inference(ckpt_dir: str | Path, device: str | torch.device = "cpu", *,
+                       tokenizer: str | None = None, tokenizer_model: str | None = None):
+    """(model, tokenizer, config) from an mtl checkpoint saved at any layout, on one process.
+    ``tokenizer``/``tokenizer_model`` replace the checkpoint's tokenizer (needed when it has none)."""
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.exists():
         raise CheckpointError(f"checkpoint directory {ckpt_dir} does not exist")
     iteration = latest_iteration(ckpt_dir)
     metadata = read_metadata(ckpt_dir, iteration)
-    saved = metadata["config"]
-    cfg = single_process_config(saved)
-    cfg.data.tokenizer_model = resolve_tokenizer_path(ckpt_dir, cfg.data.tokenizer_model)
-    tokenizer = registry("tokenizer").get(cfg.data.tokenizer).build(cfg.data.tokenizer_model)
-    cfg = cfg.resolve(world_size=1, tokenizer_vocab_size=tokenizer.vocab_size)
-    stored_vocab = saved["model"]["padded_vocab_size"]
-    if cfg.model.padded_vocab_size != stored_vocab:
-        # A run at tp>1 pads further; keep the stored rows so the checkpoint loads as is.
-        cfg.model.padded_vocab_size = stored_vocab
+    cfg = single_process_config(metadata["config"])
+    if tokenizer is not None:
+        cfg.data.tokenizer, cfg.data.tokenizer_model = tokenizer, tokenizer_model
+    elif metadata.get("has_tokenizer") is False:
+        raise ConfigError(
+            f"{ckpt_dir} has no tokenizer (converted from {metadata.get('converted_from', 'a source')} without "
+            "tokenizer files); pass --tokenizer NAME [--tokenizer-model PATH], e.g. --tokenizer hf "
+            "--tokenizer-model path/to/tokenizer.json (tokenizers: "
+            f"{', '.join(registry('tokenizer').names())})"
+        )
+    else:
+        cfg.data.tokenizer_model = resolve_tokenizer_path(ckpt_dir, cfg.data.tokenizer_model)
+    built_tokenizer = registry("tokenizer").get(cfg.data.tokenizer).build(cfg.data.tokenizer_model)
+    cfg = cfg.resolve(world_size=1, tokenizer_vocab_size=built_tokenizer.vocab_size)
     topology = Topology.single()
     backend = registry("backend").get(cfg.model.backend)
     family = registry("model family").get(cfg.model.family)
@@ -56,4 +63,4 @@ def load_for_inference(ckpt_dir: str | Path, device: str | torch.device = "cpu")
     template = model_sharded_state([model], topology)
     ckpt_load(template, ckpt_dir, iteration)
     model.eval()
-    return model, tokenizer, cfg
+    return model, built_tokenizer, cfg

@@ -14,12 +14,18 @@ import click
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--show-ids", is_flag=True, help="Also print the prompt's and the generated token ids.")
-def generate(checkpoint, prompt, max_new_tokens, temperature, top_k, seed, device, show_ids):
+@click.option("--tokenizer", default=None, metavar="NAME",
+              help="Tokenizer to use instead of the checkpoint's (needed when it has none); see `mtl plugins`.")
+@click.option("--tokenizer-model", default=None, type=click.Path(), metavar="PATH",
+              help="The --tokenizer's file or directory (e.g. a tokenizer.json).")
+def generate(checkpoint, prompt, max_new_tokens, temperature, top_k, seed, device, show_ids, tokenizer,
+             tokenizer_model):
     """Continue PROMPT with a model loaded from CHECKPOINT (KV-cached decoding)."""
     from mtl.cli.text_generation import generate_from_checkpoint
 
     result = generate_from_checkpoint(checkpoint, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                                      top_k=top_k, seed=seed, device=device)
+                                      top_k=top_k, seed=seed, device=device, tokenizer=tokenizer,
+                                      tokenizer_model=tokenizer_model)
     click.echo(result.text)
     if show_ids:
         click.echo(f"prompt ids: {' '.join(map(str, result.prompt_ids))}")
