@@ -2,12 +2,13 @@
 
 Run as a script (it spawns ``world_size`` processes with gloo on CPU)::
 
-    python megatron_checkpoint_writer.py OUT_DIR --tp 2 --pp 1 [--bare]
+    python megatron_checkpoint_writer.py OUT_DIR --tp 2 --pp 1 [--bare] [--style gpt2]
 
 ``OUT_DIR/ckpt`` gets the distributed checkpoint and ``OUT_DIR/reference.pt`` a dict with
 ``tokens`` [b, s], ``logits`` [b, s, padded_vocab] (gathered over TP, from the last stage)
-and ``vocab_size``. The model is Llama style: RMSNorm, SwiGLU, RoPE, GQA, untied output,
-no biases, fp32. Without ``--bare`` the checkpoint's ``common.pt`` carries a Megatron-LM
+and ``vocab_size``. The model is Llama style (RMSNorm, SwiGLU, RoPE, GQA, untied output,
+no biases) or with ``--style gpt2`` GPT-2 style (LayerNorm, GELU, learned positions, biases,
+tied output, GQA kept); fp32. Without ``--bare`` the checkpoint's ``common.pt`` carries a Megatron-LM
 style ``args`` namespace, as ``pretrain_gpt.py`` saves it; with ``--bare`` only the model.
 
 Megatron-Core calls a few CUDA functions even on CPU; they are stubbed here (``synchronize``,
@@ -43,22 +44,22 @@ def stub_cuda() -> None:
     mrandom.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
 
 
-def megatron_args(tp: int, pp: int) -> argparse.Namespace:
+def megatron_args(tp: int, pp: int, gpt2: bool) -> argparse.Namespace:
     """The hyper-parameters as Megatron-LM's training script records them in ``common.pt``."""
     return argparse.Namespace(
         **MODEL,
         group_query_attention=True,
         kv_channels=MODEL["hidden_size"] // MODEL["num_attention_heads"],
-        normalization="RMSNorm",
+        normalization="LayerNorm" if gpt2 else "RMSNorm",
         norm_epsilon=NORM_EPS,
-        swiglu=True,
+        swiglu=not gpt2,
         squared_relu=False,
-        position_embedding_type="rope",
+        position_embedding_type="learned_absolute" if gpt2 else "rope",
         rotary_base=ROPE_BASE,
         rotary_percent=1.0,
         use_rope_scaling=False,
-        untie_embeddings_and_output_weights=True,
-        add_bias_linear=False,
+        untie_embeddings_and_output_weights=not gpt2,
+        add_bias_linear=gpt2,
         add_qkv_bias=False,
         qk_layernorm=False,
         apply_layernorm_1p=False,
@@ -74,7 +75,7 @@ def megatron_args(tp: int, pp: int) -> argparse.Namespace:
     )
 
 
-def worker(rank: int, world_size: int, out_dir: str, tp: int, pp: int, bare: bool, port: int) -> None:
+def worker(rank: int, world_size: int, out_dir: str, tp: int, pp: int, bare: bool, gpt2: bool, port: int) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -91,11 +92,11 @@ def worker(rank: int, world_size: int, out_dir: str, tp: int, pp: int, bare: boo
     torch.manual_seed(1234)
     config = TransformerConfig(
         **MODEL,
-        normalization="RMSNorm",
+        normalization="LayerNorm" if gpt2 else "RMSNorm",
         layernorm_epsilon=NORM_EPS,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
+        gated_linear_unit=not gpt2,
+        activation_func=F.gelu if gpt2 else F.silu,
+        add_bias_linear=gpt2,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,
@@ -115,19 +116,19 @@ def worker(rank: int, world_size: int, out_dir: str, tp: int, pp: int, bare: boo
     first, last = pp_rank == 0, pp_rank == pp - 1
     model = GPTModel(
         config,
-        get_gpt_layer_local_spec(normalization="RMSNorm"),
+        get_gpt_layer_local_spec(normalization="LayerNorm" if gpt2 else "RMSNorm"),
         vocab_size=padded_vocab(tp),
         max_sequence_length=SEQ_LENGTH,
         pre_process=first,
         post_process=last,
         parallel_output=False,  # logits gathered over TP
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
+        share_embeddings_and_output_weights=gpt2,
+        position_embedding_type="learned_absolute" if gpt2 else "rope",
         rotary_base=ROPE_BASE,
     )
-    with torch.no_grad():  # norm weights start at one; move them so the test sees them
+    with torch.no_grad():  # norm weights start at one, biases at zero; move them so the test sees them
         for name, param in model.named_parameters():
-            if "layernorm" in name or "final_layernorm" in name:
+            if "layernorm" in name or name.endswith("bias"):
                 param.add_(0.1 * torch.randn_like(param))
 
     tokens = torch.randint(0, VOCAB_SIZE, (2, SEQ_LENGTH), generator=torch.Generator().manual_seed(0))
@@ -148,7 +149,7 @@ def worker(rank: int, world_size: int, out_dir: str, tp: int, pp: int, bare: boo
     os.makedirs(checkpoint, exist_ok=True)
     state = {"model": model.sharded_state_dict()}
     if not bare:
-        state.update(args=megatron_args(tp, pp), checkpoint_version=3.0, iteration=1)
+        state.update(args=megatron_args(tp, pp, gpt2), checkpoint_version=3.0, iteration=1)
     dist_checkpointing.save(state, checkpoint)
     if last and parallel_state.get_tensor_model_parallel_rank() == 0:
         torch.save({"tokens": tokens, "logits": output, "vocab_size": VOCAB_SIZE}, os.path.join(out_dir, "reference.pt"))
@@ -162,10 +163,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--bare", action="store_true", help="no args in common.pt")
+    parser.add_argument("--style", choices=("llama", "gpt2"), default="llama")
     parser.add_argument("--port", type=int, default=29511)
     a = parser.parse_args(argv)
     world_size = a.tp * a.pp
-    torch.multiprocessing.spawn(worker, args=(world_size, a.out_dir, a.tp, a.pp, a.bare, a.port), nprocs=world_size)
+    torch.multiprocessing.spawn(worker, args=(world_size, a.out_dir, a.tp, a.pp, a.bare, a.style == "gpt2", a.port), nprocs=world_size)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -37,8 +38,19 @@ BARE_OPTIONS = dict(
     num_attention_heads=8, num_query_groups=2, normalization="RMSNorm", norm_eps=1e-6,
     activation="swiglu", position_embedding="rope", rope_theta=500000,
 )
-LAYOUTS = {"tp1": ("--tp", "1"), "tp2": ("--tp", "2"), "pp2_bare": ("--pp", "2", "--bare")}
-_PORTS = iter(range(29621, 29700))
+LAYOUTS = {
+    "tp1": ("--tp", "1"),
+    "tp2": ("--tp", "2"),
+    "pp2_bare": ("--pp", "2", "--bare"),
+    # LayerNorm with biases, GELU, learned positions, all linear biases, tied output
+    "gpt2_tp2": ("--tp", "2", "--style", "gpt2"),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +62,7 @@ def written(tmp_path_factory):
         if layout not in cache:
             out = tmp_path_factory.mktemp(f"megatron_{layout}")
             result = subprocess.run(
-                [sys.executable, str(WRITER), str(out), *LAYOUTS[layout], "--port", str(next(_PORTS))],
+                [sys.executable, str(WRITER), str(out), *LAYOUTS[layout], "--port", str(free_port())],
                 capture_output=True, text=True, timeout=300,
             )
             assert result.returncode == 0, result.stderr[-4000:]
@@ -68,8 +80,8 @@ def mtl_logits(section: dict, state: dict[str, torch.Tensor], tokens: torch.Tens
     for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         # Before the lead's "padding is invisible" change the global tensors keep the padded
         # vocabulary rows; give them zeros then (they only add logit columns past the vocabulary).
-        rows = layout[name][1][0]
-        if name in state and rows > state[name].shape[0]:
+        if name in state and layout[name][1][0] > state[name].shape[0]:
+            rows = layout[name][1][0]
             state[name] = torch.cat((state[name], state[name].new_zeros(rows - state[name].shape[0], state[name].shape[1])))
     load_global_state(model, Topology.single(), state)
     model.eval()
@@ -85,7 +97,9 @@ def test_logits_equal_megatron(written, layout):
     reference = torch.load(out / "reference.pt")
     assert section["vocab_size"] == reference["vocab_size"] == VOCAB
     assert state["embedding.word_embeddings.weight"].shape == (VOCAB, 64)
-    assert state["layers.3.mlp.linear_fc1.weight"].shape == (2, 96, 64)
+    gated = not layout.startswith("gpt2")
+    assert state["layers.3.mlp.linear_fc1.weight"].shape == ((2, 96, 64) if gated else (96, 64))
+    assert ("output_layer.weight" in state) == gated == (not section["tie_embeddings"])
     logits = mtl_logits(section, state, reference["tokens"])
     expected = reference["logits"][..., :VOCAB]
     diff = (logits[..., :VOCAB] - expected).abs().max().item()
