@@ -158,6 +158,17 @@ def test_local_norm_names_and_per_layer_keys(written, tmp_path):
         assert (mtl_logits(section, s, reference["tokens"])[..., :VOCAB] - expected).abs().max() <= 1e-5
 
 
+def test_stream_metas_match_tensors(written):
+    section, tensors = MegatronConverter().stream_to_mtl(written("tp2") / "ckpt", vocab_size=VOCAB)
+    metas = dict(tensors.metas)
+    seen = []
+    for name, tensor in tensors:
+        assert tensor.dtype == torch.float32 and tensor.shape == metas[name].shape, name
+        assert tensor.untyped_storage().nbytes() == tensor.numel() * 4, f"{name} is a view of a larger tensor"
+        seen.append(name)
+    assert seen == list(metas) and len(seen) == 2 + 1 + 4 * 6
+
+
 def test_bare_checkpoint_names_each_missing_option(written):
     with pytest.raises(ConfigError) as error:
         MegatronConverter().to_mtl(written("pp2_bare") / "ckpt", vocab_size=VOCAB, num_attention_heads=8)

@@ -6,14 +6,16 @@ state)``: ``src_dir`` is one checkpoint (an ``iter_NNNNNNN`` folder of Megatron-
 a full global fp32 tensor in ``mtl.models.param_layout``'s layout, the vocabulary cut to its
 true ``vocab_size`` rows (Megatron pads it and does not record the true size). ``options``
 are [model] keys that a checkpoint without Megatron-LM ``args`` cannot tell (see
-``config.OPTIONS``). Optimizer state in the checkpoint is ignored.
+``config.OPTIONS``). Optimizer state in the checkpoint is ignored. ``stream_to_mtl`` gives the
+same tensors lazily (``metas`` first, then one stored tensor read at a time), for
+``mtl convert``'s streaming writer.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -35,48 +37,81 @@ log = logging.getLogger(__name__)
 class MegatronConverter:
     """The ``megatron`` converter of the ``gpt`` model family (import only)."""
 
-    def to_mtl(
+    def stream_to_mtl(
         self, src_dir: str | Path, *, vocab_size: int | None = None, **options: Any
-    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    ) -> tuple[dict[str, Any], "MegatronTensorStream"]:
+        """(model section, the tensors as a stream: ``metas`` up front, then ``(name, tensor)``
+        pairs read one stored tensor at a time), for writers that keep memory flat."""
         checkpoint = MegatronCheckpoint(src_dir)
         source = str(checkpoint.directory)
         layer_keys, top_keys = _classify(checkpoint, source)
         shapes = _stored_shapes(checkpoint, layer_keys, top_keys, source)
         section = model_section(checkpoint.common.get("args"), shapes, options, source)
         section["vocab_size"] = _true_vocab(vocab_size, shapes.vocab_rows, source)
+        tensors = MegatronTensorStream(checkpoint, layer_keys, top_keys, shapes, section["vocab_size"])
+        _check_complete(tensors.metas, section, source)
+        return section, tensors
 
-        state: dict[str, torch.Tensor] = {}
-        for key in top_keys:
-            tensor = checkpoint.read(key)
-            if key in VOCAB_TABLES:
-                tensor = tensor[: section["vocab_size"]]  # [padded_vocab, h] -> [vocab, h]
-            state[TOP_NAMES[key]] = tensor
-        for key, (layer, suffix) in layer_keys.items():
-            ours = LAYER_NAMES[suffix]
-            tensor = checkpoint.read(key)
-            if layer is None:
-                if tensor.shape[0] != shapes.num_layers:
-                    raise CheckpointError(
-                        f"{source}: {key} stacks {tensor.shape[0]} layers, other tensors {shapes.num_layers}"
-                    )
-                per_layer = dict(enumerate(tensor))  # [layers, ...] -> views [...]
-            else:
-                per_layer = {layer: tensor}
-            for i, t in per_layer.items():
-                if ours.startswith("mlp.linear_fc1.") and shapes.gated:
-                    t = t.view(2, shapes.ffn_hidden_size, *t.shape[1:])  # [2 * ffn, ...] -> [2, ffn, ...]
-                name = f"layers.{i}.{ours}"
-                if name in state:
-                    raise CheckpointError(f"{source}: two stored tensors map to {name} (e.g. {key}); the checkpoint is ambiguous")
-                state[name] = t
-        _check_complete(state, section, source)
-        return section, state
+    def to_mtl(
+        self, src_dir: str | Path, *, vocab_size: int | None = None, **options: Any
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        section, tensors = self.stream_to_mtl(src_dir, vocab_size=vocab_size, **options)
+        return section, dict(tensors)
 
-    def from_mtl(self, model_config, state: dict[str, torch.Tensor], dst_dir: str | Path) -> None:
+    def from_mtl(self, model_config, state: dict[str, torch.Tensor], dst_dir: str | Path, **options: Any) -> None:
         raise ConfigError(
             "export to Megatron is not supported yet: convert to Hugging Face (`mtl convert --to hf`) "
-            "and use Megatron-Bridge/Megatron-LM's HF importer"
+            "and import that with Megatron's Hugging Face tools"
         )
+
+
+class MegatronTensorStream:
+    """``metas`` (mtl name -> fp32 meta tensor of the global shape) and iteration yielding
+    ``(name, tensor)``: each stored tensor is read once, a stacked one yielding its layers."""
+
+    def __init__(self, checkpoint: MegatronCheckpoint, layer_keys, top_keys, shapes: StoredShapes, vocab_size: int):
+        self.checkpoint, self.layer_keys, self.top_keys = checkpoint, layer_keys, top_keys
+        self.shapes, self.vocab_size = shapes, vocab_size
+        source = str(checkpoint.directory)
+        self.metas: dict[str, torch.Tensor] = {}
+        for key, stored in self._plan():
+            for name, shape in stored:
+                if name in self.metas:
+                    raise CheckpointError(f"{source}: two stored tensors map to {name} (e.g. {key}); the checkpoint is ambiguous")
+                self.metas[name] = torch.empty(shape, dtype=torch.float32, device="meta")
+
+    def _plan(self):
+        """Per stored key, its [(mtl name, global shape)] in the order iteration yields them."""
+        for key in self.top_keys:
+            shape = self.checkpoint.shape(key)
+            if key in VOCAB_TABLES:
+                shape = (self.vocab_size, *shape[1:])
+            yield key, [(TOP_NAMES[key], shape)]
+        for key, (layer, suffix) in self.layer_keys.items():
+            shape = self.checkpoint.shape(key)
+            layers = range(shape[0]) if layer is None else [layer]
+            if layer is None:
+                shape = shape[1:]
+            if LAYER_NAMES[suffix].startswith("mlp.linear_fc1.") and self.shapes.gated:
+                shape = (2, self.shapes.ffn_hidden_size, *shape[1:])
+            yield key, [(f"layers.{i}.{LAYER_NAMES[suffix]}", shape) for i in layers]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for key, stored in self._plan():
+            tensor = self.checkpoint.read(key)
+            if key in VOCAB_TABLES:
+                tensor = tensor[: self.vocab_size]  # [padded_vocab, h] -> [vocab, h]
+            if self.layer_keys.get(key, (0,))[0] is None:
+                parts = list(tensor)  # stacked [layers, ...] -> [...] per layer
+            else:
+                parts = [tensor]
+            del tensor
+            for (name, shape), part in zip(stored, parts):
+                # a copy, not a view: a view would keep (and torch.save would write) the whole stack
+                yield name, part.reshape(shape).clone()
+
+    def __len__(self) -> int:
+        return len(self.metas)
 
 
 def _classify(checkpoint: MegatronCheckpoint, source: str):
@@ -179,4 +214,4 @@ def _check_complete(state: dict[str, torch.Tensor], section: dict[str, Any], sou
         raise CheckpointError(f"{source}: the checkpoint lacks tensors for {missing[:4]} ({len(missing)} in all)")
 
 
-__all__ = ["MegatronConverter"]
+__all__ = ["MegatronConverter", "MegatronTensorStream"]
