@@ -102,13 +102,8 @@ def test_sigkill_during_save_leaves_latest_loadable(tmp_path, mode, point):
 
     # a restarted run resumes from 'latest' and saves the next iteration into the same directory
     resume_at = latest + 1
-    if committed_2 and latest == 1:
-        # Known gap (save.py): a kill between the rename and the update of 'latest' leaves a
-        # complete iter_2 that 'latest' does not name; the resumed run's save of 2 is refused,
-        # so a trainer resuming from 1 fails at its next save until iter_2 is removed by hand.
-        with pytest.raises(CheckpointError, match="iteration 2 is already committed"):
-            save(make_state(2), ckpt, 2, {"iteration": 2})
-        resume_at = 3
+    # A kill between the rename and the update of 'latest' leaves a complete iter_2 that
+    # 'latest' does not name: the resumed run's save of 2 replaces it.
     save(make_state(resume_at), ckpt, resume_at, {"iteration": resume_at})
     assert latest_iteration(ckpt) == resume_at
     assert_loads_exactly(ckpt, None, resume_at)
@@ -118,21 +113,20 @@ def test_sigkill_during_save_leaves_latest_loadable(tmp_path, mode, point):
 @pytest.mark.parametrize("point", ["write_region:1", "renamed"])
 def test_sigkill_during_the_first_save(tmp_path, point):
     """No earlier checkpoint to fall back to: before the rename the directory is as if never
-    saved to; after it, iteration 1 is complete but only reachable by number."""
+    saved to; after it, iteration 1 is complete but only reachable by number. Either way a
+fresh save of iteration 1 commits."""
     ckpt = str(tmp_path / "ckpt")
     _, (reached, _) = run_child("save", ckpt, "first", point)
     assert reached == point
     if point == "renamed":
-        # Known gap: with no 'latest' a resume by latest fails (the message names iteration 1),
-        # and a fresh save of 1 is refused as already committed.
+        # With no 'latest' a resume by latest fails (the message names iteration 1), and a
+        # run starting afresh replaces iteration 1 when it saves it.
         with pytest.raises(CheckpointError, match=r"no 'latest' file \(committed iterations found: \[1\]; pass iteration=N"):
             latest_iteration(ckpt)
         assert_loads_exactly(ckpt, 1, 1)
-        with pytest.raises(CheckpointError, match="iteration 1 is already committed"):
-            save(make_state(1), ckpt, 1, {"iteration": 1})
-        return
-    with pytest.raises(CheckpointError, match="no checkpoint was ever committed here"):
-        latest_iteration(ckpt)
+    else:
+        with pytest.raises(CheckpointError, match="no checkpoint was ever committed here"):
+            latest_iteration(ckpt)
     save(make_state(1), ckpt, 1, {"iteration": 1})
     assert latest_iteration(ckpt) == 1 and not os.path.exists(directory.partial_dir(ckpt, 1))
     assert_loads_exactly(ckpt, None, 1)

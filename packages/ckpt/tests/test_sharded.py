@@ -36,8 +36,11 @@ def test_flatten_state_paths_and_duplicate_keys():
     b = ShardedTensor("b", torch.zeros(2), (2,), (0,))
     flat = flatten_state({"model": {"layers": [a, b]}, "step": 3})
     assert flat == {"model.layers.0": a, "model.layers.1": b}
-    with pytest.raises(CheckpointError, match="'a' appears twice.*'x'.*'y'"):
+    with pytest.raises(CheckpointError, match="'a' at offset \\(0,\\) appears twice.*'x'.*'y'"):
         flatten_state({"x": a, "y": ShardedTensor("a", torch.zeros(2), (2,), (0,))})
+    # two boxes of one key (pieces of a flat range) are fine
+    left, right = ShardedTensor("c", torch.zeros(2), (4,), (0,)), ShardedTensor("c", torch.zeros(2), (4,), (2,))
+    assert flatten_state({"x": left, "y": right}) == {"x": left, "y": right}
 
 
 def test_common_state_refuses_plain_tensors_and_objects():
@@ -56,6 +59,14 @@ def test_layout_uniform_shards_use_shard_shape_as_chunk():
 def test_layout_uneven_shards_use_gcd_of_boundaries():
     layouts = plan_layout([rec("w", (0, 0), (4, 2), 0), rec("w", (0, 2), (4, 4), 1)])
     assert layouts["w"].chunk_shape == (4, 2)  # boundaries at 0, 2, 6 -> gcd 2; rows 0,4 -> 4
+
+
+def test_layout_shard_cut_short_by_the_tensor_end_keeps_the_shard_chunk():
+    """A vocabulary of 257 rows at tp=2: rank 1's slice holds one real row (the rest is
+    padding). Chunks stay 256 rows: the gcd of the boundaries would be one row per chunk."""
+    layouts = plan_layout([rec("e", (0, 0), (256, 8), 0, global_shape=(257, 8)),
+                           rec("e", (256, 0), (1, 8), 1, global_shape=(257, 8))])
+    assert layouts["e"].chunk_shape == (256, 8)
 
 
 def test_layout_detects_overlap_gap_and_disagreement():

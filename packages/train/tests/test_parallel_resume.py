@@ -31,19 +31,3 @@ def test_resume_at_the_same_layout_is_exact(world, layout, tmp_path):
     r = next(r for r in results if r["last_stage"])
     assert sorted(r["first"]) == [1, 2] and sorted(r["second"]) == [3, 4]
     assert {**r["first"], **r["second"]} == r["straight"]
-
-
-def save_at_tp2_then_resume_at(resume_overrides: list[str], ckpt: str) -> str:
-    train(load_config(None, [*BASE, "train.iters=2", "parallel.tp=2", f"ckpt.save='{ckpt}'"]), progress=False)
-    try:
-        train(load_config(None, [*BASE, *resume_overrides, f"ckpt.load='{ckpt}'"]), progress=False)
-    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
-        return str(exc)
-    return "resumed"
-
-
-def test_optimizer_state_from_another_tp_is_refused_by_name(tmp_path):
-    """Flat optimizer moments cannot be re-split for another tp; the refusal names both."""
-    messages = run_distributed(save_at_tp2_then_resume_at, 2, args=(["parallel.tp=1"], str(tmp_path / "ckpt")))
-    for message in messages:
-        assert "saved at parallel.tp = 2; resuming at parallel.tp = 1 needs the same tp" in message

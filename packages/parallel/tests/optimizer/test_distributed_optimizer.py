@@ -4,7 +4,8 @@ Every step: 2 micro-batches per rank (first in ``no_sync``), gradients clipped t
 norm that is actually hit, then AdamW with decayed / not-decayed groups. Parameters must equal
 a single-process ``torch.optim.AdamW`` run on the full batch within 1e-6 after each of 3
 steps; each rank keeps about half of the optimizer state; resuming after step 2 from
-``state_dict()`` or from ``sharded_state()`` reproduces step 3 exactly.
+``state_dict()`` or from ``state_pieces()`` reproduces step 3 exactly, and the moments
+``full_moments()`` gathers resume the replicated optimizer in one process.
 """
 
 import copy
@@ -85,15 +86,18 @@ def dp2_distributed_adamw():
     for step in range(3):
         if step == 2:  # what a checkpoint after step 2 holds
             snapshot = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),
-                        {k: (t.clone(), s, o) for k, (t, s, o) in opt.sharded_state("optimizer").items()},
+                        [(p.first, {m: t.clone() for m, t in p.moments.items()}) for p in opt.state_pieces()],
                         opt.common_state())
+            index = {id(p): i for i, p in enumerate(model.module.parameters())}
+            full = {index[id(param)]: {m: t.clone() for m, t in moments.items()}
+                    for param, moments in opt.full_moments()}
         train_step(model, opt, step, topo.dp_rank, topo.dp)
         for p, p_ref in zip(model.parameters(), reference[step]):
             torch.testing.assert_close(p, p_ref, **TOL, msg=f"step {step + 1}")
     final = [p.detach().clone() for p in model.parameters()]
     state_numel = sum(s["exp_avg"].numel() for s in opt.inner.state.values())
 
-    model_state, opt_state, sharded, common = snapshot
+    model_state, opt_state, pieces, common = snapshot
     # Resume from state_dict(): a fresh model and optimizer, different init, same layout.
     model2, opt2 = build(topo, seed=7)
     model2.load_state_dict(model_state)
@@ -101,17 +105,18 @@ def dp2_distributed_adamw():
     train_step(model2, opt2, 2, topo.dp_rank, topo.dp)
     for p, p_final in zip(model2.parameters(), final):
         torch.testing.assert_close(p, p_final, rtol=0, atol=0, msg="state_dict resume")
-    # Resume from sharded_state(): load each tensor in place, then the step count.
+    # Resume from state_pieces(): load each live piece in place, then the step count.
     model3, opt3 = build(topo, seed=8)
     model3.load_state_dict(model_state)
-    for name, (tensor, shape, offset) in opt3.sharded_state("optimizer").items():
-        assert (shape, offset) == sharded[name][1:], name
-        tensor.copy_(sharded[name][0])
+    for piece, (first, moments) in zip(opt3.state_pieces(), pieces, strict=True):
+        assert piece.first == first
+        for name, tensor in piece.moments.items():
+            tensor.copy_(moments[name])
     opt3.load_common_state(common)
     train_step(model3, opt3, 2, topo.dp_rank, topo.dp)
     for p, p_final in zip(model3.parameters(), final):
-        torch.testing.assert_close(p, p_final, rtol=0, atol=0, msg="sharded_state resume")
-    return {"state_numel": state_numel, "num_buckets": len(model.buckets), "sharded": sharded,
+        torch.testing.assert_close(p, p_final, rtol=0, atol=0, msg="state_pieces resume")
+    return {"state_numel": state_numel, "num_buckets": len(model.buckets), "full": full,
             "common": common, "params_after_2": [p.clone() for p in model_state.values()]}
 
 
@@ -122,24 +127,20 @@ def test_dp2_distributed_optimizer_matches_torch_adamw_and_resumes():
     for r in results:  # about 1/dp each; padding of each bucket can shift a few elements
         assert abs(r["state_numel"] - total / 2) <= r["num_buckets"] * SHARD_ALIGNMENT, r["state_numel"]
 
-    # The two ranks' sharded moments tile each parameter's flat range exactly once, and, put
-    # together, resume the *replicated* optimizer in one process: the layouts are shared.
+    # Both ranks gathered the same whole moments, and they resume the *replicated* optimizer
+    # in one process: the checkpoint layout is shared.
+    assert results[0]["full"].keys() == results[1]["full"].keys() == set(range(len(list(make_model().parameters()))))
     model = make_model(seed=3)
     with torch.no_grad():
         for p, saved in zip(model.parameters(), results[0]["params_after_2"]):
             p.copy_(saved)
     opt = ReplicatedOptimizer([model], Topology.single(), **ADAMW)
-    targets = opt.sharded_state("optimizer")
-    for name, (tensor, shape, offset) in targets.items():
-        assert offset == (0,) and shape == (tensor.numel(),)
-        covered = torch.zeros(tensor.numel(), dtype=torch.int32)
-        for r in results:
-            if name in r["sharded"]:
-                piece, piece_shape, (start,) = r["sharded"][name]
-                assert piece_shape == shape
-                tensor[start : start + piece.numel()] = piece
-                covered[start : start + piece.numel()] += 1
-        assert bool((covered == 1).all()), name
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    for param, moments in opt.full_moments():
+        for name, tensor in moments.items():
+            assert torch.equal(results[0]["full"][index[id(param)]][name], results[1]["full"][index[id(param)]][name])
+            assert torch.count_nonzero(results[0]["full"][index[id(param)]][name]) > 0, name
+            tensor.copy_(results[0]["full"][index[id(param)]][name])
     opt.load_common_state(results[0]["common"])
     assert opt.common_state() == {"step": 2}
     opt.zero_grad()

@@ -73,12 +73,37 @@ def cross_entropy_equivalence(layout: str, dtype: torch.dtype, device: str):
     torch.testing.assert_close(grad, ref_logits.grad, **tol)
 
 
+def padded_cross_entropy_equivalence(vocab_size: int, device: str):
+    """Columns past ``vocab_size`` hold large junk: the loss and gradients must be those of
+    the true vocabulary alone, and the padding's gradient exactly zero."""
+    topo = Topology.build(tp=2)
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(S, B, V, generator=g)
+    logits[..., vocab_size:] = 50.0 + torch.randn(S, B, V - vocab_size, generator=g)
+    target = torch.randint(0, vocab_size, (S, B), generator=g)
+    logits, target = logits.to(device), target.to(device)
+
+    ref_logits = logits[..., :vocab_size].detach().double().requires_grad_()
+    ref_loss = F.cross_entropy(ref_logits.reshape(-1, vocab_size), target.reshape(-1), reduction="none").view(S, B)
+    ref_loss.sum().backward()
+
+    local = logits.chunk(2, dim=-1)[topo.tp_rank].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, target, topo, vocab_size=vocab_size)
+    loss.sum().backward()
+    torch.testing.assert_close(loss.double(), ref_loss.detach(), **TOL)
+    grad = gather_dim(local.grad, -1, topo.tp_group).double()
+    torch.testing.assert_close(grad[..., :vocab_size], ref_logits.grad, **TOL)
+    assert torch.count_nonzero(grad[..., vocab_size:]) == 0
+
+
 def all_cases(device: str = "cpu"):
     for sequence_parallel in (False, True):
         embedding_equivalence(sequence_parallel, device)
     for layout in ("sbv", "bsv"):
         cross_entropy_equivalence(layout, torch.float32, device)
     cross_entropy_equivalence("sbv", torch.bfloat16, device)
+    padded_cross_entropy_equivalence(V // 2 + 5, device)  # rank 1: 5 real columns, the rest padding
+    padded_cross_entropy_equivalence(V // 2 - 3, device)  # rank 1: padding only
     return "ok"
 
 

@@ -54,14 +54,16 @@ def _overlaps(a: ShardRecord, b: ShardRecord) -> bool:
 
 
 def _chunk_shape(global_shape: tuple, writers: list[ShardRecord]) -> tuple:
-    """The shard shape when all written shards share it and sit on its grid, otherwise the
+    """The largest shard shape when every shard sits on its grid (a shard cut short by the
+    tensor's end, such as the last rows of a padded vocabulary, still does), otherwise the
     per-dimension gcd of every shard boundary: either way each chunk lies inside one shard."""
-    shapes = {rec.shape for rec in writers}
-    if len(shapes) == 1:
-        (shape,) = shapes
-        on_grid = all(o % s == 0 for rec in writers for o, s in zip(rec.offset, shape) if s > 0)
-        if on_grid and all(s > 0 for s in shape):
-            return shape
+    largest = tuple(max(rec.shape[d] for rec in writers) for d in range(len(global_shape)))
+    if all(n > 0 for n in largest) and all(
+        o % c == 0 and ((o + n) % c == 0 or o + n == total)
+        for rec in writers
+        for o, n, c, total in zip(rec.offset, rec.shape, largest, global_shape)
+    ):
+        return largest
     chunk = []
     for dim, total in enumerate(global_shape):
         step = 0

@@ -48,8 +48,11 @@ def _read_verified_shard(array: Any, key: str, shard: dict[str, Any]) -> np.ndar
     return data
 
 
-def _read_box_verified(array: Any, key: str, entry: dict[str, Any], offset: tuple, shape: tuple) -> np.ndarray:
-    """The box ``offset``/``shape`` cut out of every verified stored shard it overlaps."""
+def _read_box_verified(array: Any, key: str, entry: dict[str, Any], offset: tuple, shape: tuple,
+                       verified: dict[tuple, np.ndarray]) -> np.ndarray:
+    """The box ``offset``/``shape`` cut out of every verified stored shard it overlaps.
+    ``verified`` caches the shards already read for this key (several boxes of one key, as
+    the pieces of a flat range, read and check each stored shard once)."""
     out = np.empty(shape, dtype=np.dtype(entry["storage_dtype"]))
     if not shape:  # a 0-d tensor is one shard
         out[()] = _read_verified_shard(array, key, entry["shards"][0])
@@ -59,7 +62,10 @@ def _read_box_verified(array: Any, key: str, entry: dict[str, Any], offset: tupl
         bounds = _overlap(shard["offset"], shard["shape"], offset, shape)
         if bounds is None:
             continue
-        data = _read_verified_shard(array, key, shard)
+        shard_id = tuple(shard["offset"])
+        if shard_id not in verified:
+            verified[shard_id] = _read_verified_shard(array, key, shard)
+        data = verified[shard_id]
         src = tuple(slice(lo - so, hi - so) for (lo, hi), so in zip(bounds, shard["offset"]))
         dst = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(bounds, offset))
         out[dst] = data[src]
@@ -113,16 +119,22 @@ def load(
     for target in wanted:
         _check_fits(target.key, stored[target.key], target, ckpt_path)
 
-    for target in wanted:  # flatten_state guarantees one target per key
-        entry = stored[target.key]
-        array = storage.open_array(os.path.join(ckpt_path, entry["path"]), target.key)
-        if verify:
-            words = _read_box_verified(array, target.key, entry, target.global_offset, target.local_shape)
-        else:
-            words = storage.read_region(array, target.global_offset, target.local_shape, target.key)
-        loaded = storage.from_storage_array(words, entry["dtype"])  # [local_shape], stored dtype
-        with torch.no_grad():
-            target.data.copy_(loaded.to(target.data.dtype))
+    by_key: dict[str, list[ShardedTensor]] = {}
+    for target in wanted:
+        if target.data.numel() > 0:  # an empty box (a rank holding only padding) reads nothing
+            by_key.setdefault(target.key, []).append(target)
+    for key, targets in by_key.items():
+        entry = stored[key]
+        array = storage.open_array(os.path.join(ckpt_path, entry["path"]), key)
+        verified: dict[tuple, np.ndarray] = {}  # this key's stored shards, read and checked once
+        for target in targets:
+            if verify:
+                words = _read_box_verified(array, key, entry, target.global_offset, target.local_shape, verified)
+            else:
+                words = storage.read_region(array, target.global_offset, target.local_shape, key)
+            loaded = storage.from_storage_array(words, entry["dtype"])  # [local_shape], stored dtype
+            with torch.no_grad():
+                target.data.copy_(loaded.to(target.data.dtype))
 
     state = merge_common(template_state, manifest["common"], strict)
     return state, manifest["metadata"]

@@ -37,7 +37,7 @@ def _remove_tree(ckpt_dir: str, path: str) -> None:
         ) from exc
 
 
-def _delete_committed(ckpt_dir: str, iteration: int) -> None:
+def discard_iteration(ckpt_dir: str, iteration: int) -> None:
     final = directory.iteration_dir(ckpt_dir, iteration)
     doomed = final + DELETING_SUFFIX
     try:
@@ -84,7 +84,7 @@ def prune_checkpoints(ckpt_dir: str, keep_last: int) -> list[int]:
     candidates = [it for it in committed if it <= latest]
     removed = candidates[:-keep_last]
     for iteration in removed:  # oldest first: a crash midway keeps the newer ones
-        _delete_committed(ckpt_dir, iteration)
+        discard_iteration(ckpt_dir, iteration)
     for name in names:
         match = _PARTIAL_RE.match(name)
         if match and int(match.group(1)) < latest:

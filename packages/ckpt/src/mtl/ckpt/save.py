@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ import torch
 from mtl.ckpt import __version__, directory, storage
 from mtl.ckpt.collectives import SaveGroup
 from mtl.ckpt.layout import ShardRecord, TensorLayout, plan_layout
+from mtl.ckpt.retention import discard_iteration
 from mtl.ckpt.sharded import ShardedTensor, common_state, flatten_state
 from mtl.core.errors import CheckpointError
 
@@ -82,11 +84,14 @@ def _check_json(name: str, value: Any) -> None:
         raise CheckpointError(f"checkpoint {name} is not JSON-able ({exc}); store numbers, strings, lists and dicts") from exc
 
 
-def _describe_local(state: Any, metadata: dict, rank: int) -> tuple[list[ShardRecord], dict[str, ShardedTensor], Any]:
+def _describe_local(state: Any, metadata: dict, rank: int) -> tuple[list[ShardRecord], dict[tuple, ShardedTensor], Any]:
     if not isinstance(metadata, dict):
         raise CheckpointError(f"save(metadata=...) must be a dict, got {type(metadata).__name__}")
-    flat = flatten_state(state)
-    by_key = {shard.key: shard for shard in flat.values()}
+    # An empty box of a non-empty tensor (e.g. a TP rank holding only vocabulary padding) has
+    # nothing to write; an empty tensor is still described, so its array exists.
+    flat = {path: shard for path, shard in flatten_state(state).items()
+            if shard.data.numel() > 0 or math.prod(shard.global_shape) == 0}
+    by_box = {(shard.key, shard.global_offset): shard for shard in flat.values()}
     records = [
         ShardRecord(
             key=shard.key,
@@ -103,7 +108,7 @@ def _describe_local(state: Any, metadata: dict, rank: int) -> tuple[list[ShardRe
     if rank == 0:
         _check_json("metadata", metadata)
         _check_json("common state", common)
-    return records, by_key, common
+    return records, by_box, common
 
 
 def _check_same_target(per_rank: list) -> None:
@@ -117,9 +122,21 @@ def _check_same_target(per_rank: list) -> None:
             )
 
 
+def _interrupted_commit(ckpt_dir: str, iteration: int) -> bool:
+    """True when ``iter_N`` exists but ``latest`` names an older iteration or nothing."""
+    try:
+        return directory.latest_iteration(ckpt_dir) < iteration
+    except CheckpointError:  # no (readable) `latest`: nothing was ever fully committed
+        return True
+
+
 def _create_partial(plan: SavePlan) -> None:
     """Rank 0: a fresh ``iter_N.partial`` holding an empty zarr group and one array per key."""
     final = directory.iteration_dir(plan.ckpt_dir, plan.iteration)
+    if os.path.exists(final) and _interrupted_commit(plan.ckpt_dir, plan.iteration):
+        # Renamed, but `latest` was never moved to it (a crash between the two): no run
+        # resumed from it, and the run saving now replaces it.
+        discard_iteration(plan.ckpt_dir, plan.iteration)
     if os.path.exists(final):
         raise CheckpointError(
             f"iteration {plan.iteration} is already committed at {final}; save under a new iteration or "
@@ -147,7 +164,7 @@ def prepare_save(
     group = SaveGroup.resolve(process_group)
     described, error = _attempt(lambda: _describe_local(state, metadata, group.rank))
     group.agree_on_failures(error, "describing the state")
-    records, by_key, common = described
+    records, by_box, common = described
 
     target = (os.path.abspath(ckpt_dir), iteration)
     per_rank = group.all_gather_object((target, records))
@@ -155,7 +172,7 @@ def prepare_save(
     layouts, error = _attempt(lambda: _check_same_target(per_rank) or plan_layout(gathered))
     group.agree_on_failures(error, "checking the shard layout")
 
-    own = [(rec, by_key[rec.key]) for layout in layouts.values() for rec in layout.written_by(group.rank)]
+    own = [(rec, by_box[(rec.key, rec.offset)]) for layout in layouts.values() for rec in layout.written_by(group.rank)]
     plan = SavePlan(target[0], iteration, group, layouts, own, common, metadata)
     error = None
     if group.is_coordinator:

@@ -90,20 +90,22 @@ def _walk(state: Any, path: str, visit: Callable[[str, Any], Any]) -> Any:
 def flatten_state(state: Any) -> dict[str, ShardedTensor]:
     """Every ``ShardedTensor`` in a nested state, by its dotted path (``"model.layers.0"``).
 
-    Two entries with the same ``key`` in one rank's state would write the same array twice:
+    A rank may hold several boxes of one key (e.g. the pieces of a flat range, see
+    ``flat_range``); two entries with the same key and offset would write one box twice:
     that is refused, naming both paths.
     """
     found: dict[str, ShardedTensor] = {}
-    path_of_key: dict[str, str] = {}
+    path_of_box: dict[tuple, str] = {}
 
     def visit(path: str, leaf: Any) -> Any:
         if isinstance(leaf, ShardedTensor):
-            if leaf.key in path_of_key:
+            box = (leaf.key, leaf.global_offset)
+            if box in path_of_box:
                 raise CheckpointError(
-                    f"ShardedTensor key '{leaf.key}' appears twice in this rank's state (at "
-                    f"'{path_of_key[leaf.key]}' and '{path}'); give each tensor a unique key"
+                    f"ShardedTensor key '{leaf.key}' at offset {leaf.global_offset} appears twice in this "
+                    f"rank's state (at '{path_of_box[box]}' and '{path}'); give each tensor a unique key"
                 )
-            path_of_key[leaf.key] = path
+            path_of_box[box] = path
             found[path] = leaf
         return leaf
 

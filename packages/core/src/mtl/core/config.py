@@ -18,6 +18,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.normalization": ("layernorm", "rmsnorm"),
     "model.activation": ("gelu", "swiglu"),
     "model.position_embedding": ("learned", "rope"),
+    "model.rope_scaling": ("none", "llama3"),
     "train.lr_schedule": ("constant", "linear", "cosine", "wsd"),
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.recompute": ("none", "selective", "full"),
@@ -47,6 +48,14 @@ class ModelConfig:
     activation: str = "swiglu"
     position_embedding: str = "rope"
     bias: bool = False
+    qkv_bias: bool = False  # biases on the query/key/value projection only (Qwen2); `bias` sets all
+    # Llama 3's RoPE frequency scaling ("llama3"): long wavelengths divided by the factor,
+    # short ones kept, the band between interpolated.
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     init_std: float = 0.02
@@ -123,6 +132,11 @@ class CkptConfig:
     async_save: bool = False
     format: str = "zarr"
     save_on_exit: bool = True
+    # false: take only the weights from the checkpoint; iteration, optimizer and schedule start fresh
+    load_optimizer: bool = True
+    # weights to start from (any layout, or `mtl convert` output) when ckpt.load has no checkpoint yet
+    finetune_from: str | None = None
+    keep_last: int = 0  # keep the newest N committed checkpoints in ckpt.save (0: keep all)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Layout-independent initialization: the same global weights whatever the parallel layout.
 
 Each parameter is drawn from its own generator, seeded by (seed, global name), as the full
-global tensor; every rank copies its box of it (``param_layout.global_layout``). A model
+global tensor; every rank copies its box of it (``param_layout.parameter_entries``). A model
 built at tp=1 and one built at tp=2 therefore start bit-identical, and a pipeline stage's
 tied output weight starts equal to the word embedding (the same global name).
 
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from mtl.core.config import RunConfig
-from mtl.models.param_layout import box, global_layout
+from mtl.models.param_layout import box, parameter_entries
 
 RESIDUAL_OUTPUT_MODULES = ("linear_proj", "linear_fc2")
 
@@ -53,8 +53,11 @@ def initial_value(global_name: str, global_shape: tuple[int, ...], seed: int, co
 def initialize_parameters(model: nn.Module, seed: int, topology) -> None:
     """Fill every parameter of ``model`` (a GPTModel or a stage of one) with this rank's box
     of its layout-independent initial value."""
-    for global_name, (local, global_shape, global_offset) in global_layout(model, topology).items():
-        if local.is_meta:  # shapes only (e.g. `mtl train --dry-run`): nothing to fill, nothing to draw
+    for entry in parameter_entries(model, topology):
+        if entry.param.is_meta:  # shapes only (e.g. `mtl train --dry-run`): nothing to fill, nothing to draw
             continue
-        full = initial_value(global_name, global_shape, seed, model.config)
-        local.copy_(box(full, local.shape, global_offset))
+        if hasattr(entry.param, "vocab_rows"):
+            entry.param.data.zero_()  # padding rows: zero, and never read (see param_layout)
+        local = entry.view(entry.param.data)
+        full = initial_value(entry.global_name, entry.global_shape, seed, model.config)
+        local.copy_(box(full, local.shape, entry.global_offset))

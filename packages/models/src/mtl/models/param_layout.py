@@ -11,10 +11,17 @@ contiguous box of it. Checkpoints, the HF converters and the initializer all use
   global tensor does not depend on TP;
 - a last-stage output weight tied to the word embedding (``param.shared_embedding`` on a
   stage without the embedding) is the same global tensor as ``embedding.word_embeddings.weight``
-  and is listed under that name.
+  and is listed under that name;
+- a vocabulary table (the word embedding, the output layer) tagged with ``param.vocab_rows``
+  is padded to a multiple of 128·tp rows so every TP rank holds an equal slice, but its
+  global tensor has only the true vocabulary's ``vocab_rows`` rows: a rank's box is the part
+  of its slice below that row (empty on a rank holding only padding). The padding is thus
+  invisible to checkpoints, exports and initialization, and one global tensor serves every tp.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,21 +34,57 @@ TIED_OUTPUT = "output_layer.weight"
 Layout = dict[str, tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]
 
 
+def mark_vocab_rows(param: nn.Parameter, vocab_size: int) -> None:
+    """Tag a vocabulary-split table: rows at or past ``vocab_size`` (global) are padding."""
+    param.vocab_rows = vocab_size
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """Where one parameter of this rank sits in its layout-independent global tensor."""
+
+    global_name: str
+    name: str  # the local name (differs only for a last-stage output weight tied to the embedding)
+    param: nn.Parameter
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+
+    def view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's box of the global tensor in ``tensor`` (the parameter's data, its
+        gradient, or optimizer state of its shape): reshaped to the global tensor's rank and
+        cut to the rows below the true vocabulary; writing the view writes ``tensor``."""
+        local = _global_view(self.name, self.param, tensor)
+        rows = self.valid_rows
+        return local if rows is None else local[:rows]
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The parameter's shape with the global tensor's rank, padding rows included."""
+        return tuple(_global_view(self.name, self.param, self.param.data).shape)
+
+    @property
+    def valid_rows(self) -> int | None:
+        """How many leading rows of ``local_shape`` belong to the global tensor (None: all)."""
+        return _valid_rows(self.param, self.local_shape[0], self.global_offset[0]) if self.local_shape else None
+
+    @property
+    def is_tied_copy(self) -> bool:
+        return self.global_name != self.name
+
+
 def global_layout(model: nn.Module, topology) -> Layout:
     """``{global name: (local_view, global_shape, global_offset)}`` for every parameter of
     ``model`` on this rank; ``local_view`` shares storage with the parameter (writing it
     writes the parameter) and has the rank of the global tensor."""
-    return {
-        global_name: (_global_view(name, param, param.data), shape, offset)
-        for global_name, name, param, shape, offset in parameter_entries(model, topology)
-    }
+    return {e.global_name: (e.view(e.param.data), e.global_shape, e.global_offset)
+            for e in parameter_entries(model, topology)}
 
 
-def parameter_entries(model: nn.Module, topology):
-    """(global name, local name, parameter, global shape, global offset) per parameter; the
-    names differ only for a last-stage output weight tied to the word embedding."""
+def parameter_entries(model: nn.Module, topology) -> list[ParamEntry]:
+    """One ``ParamEntry`` per parameter of ``model`` on this rank, in module order."""
     tp, tp_rank = topology.tp, topology.tp_rank
     seen: dict[str, str] = {}
+    entries = []
     for name, param in model.named_parameters():
         local = _global_view(name, param, param.data)
         split_dim = _split_dim(param)
@@ -50,13 +93,31 @@ def parameter_entries(model: nn.Module, topology):
         if split_dim is not None and tp > 1:
             global_shape[split_dim] = local.shape[split_dim] * tp
             global_offset[split_dim] = local.shape[split_dim] * tp_rank
+        vocab_rows = getattr(param, "vocab_rows", None)
+        if vocab_rows is not None:
+            if split_dim not in (0, None) or vocab_rows > global_shape[0]:
+                raise ParallelError(
+                    f"parameter {name}: vocab_rows = {vocab_rows} needs a table split on dim 0 with at "
+                    f"least that many rows (it has {global_shape[0]})"
+                )
+            global_shape[0] = vocab_rows
+            global_offset[0] = min(global_offset[0], vocab_rows)
         global_name = name
         if name == TIED_OUTPUT and getattr(param, "shared_embedding", False):
             global_name = WORD_EMBEDDING
         if global_name in seen:
             raise ParallelError(f"parameters {seen[global_name]} and {name} map to one global tensor {global_name}")
         seen[global_name] = name
-        yield global_name, name, param, tuple(global_shape), tuple(global_offset)
+        entries.append(ParamEntry(global_name, name, param, tuple(global_shape), tuple(global_offset)))
+    return entries
+
+
+def _valid_rows(param: torch.Tensor, local_rows: int, row_offset: int) -> int | None:
+    """How many of this rank's rows of a vocabulary table are real (None: not a vocab table)."""
+    vocab_rows = getattr(param, "vocab_rows", None)
+    if vocab_rows is None:
+        return None
+    return max(0, min(local_rows, vocab_rows - row_offset))
 
 
 def _split_dim(param: torch.Tensor) -> int | None:
@@ -65,7 +126,7 @@ def _split_dim(param: torch.Tensor) -> int | None:
 
 
 def _global_view(name: str, param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` (the parameter's data or gradient) with the rank of the global tensor."""
+    """``tensor`` (shaped like the parameter) with the rank of the global tensor."""
     stride = getattr(param, "tp_stride", 1)
     if stride == 1:
         return tensor
@@ -115,15 +176,18 @@ def gather_global_state(model: nn.Module, topology, *, grads: bool = False) -> d
 
     group = topology.tp_group
     state = {}
-    for global_name, name, param, global_shape, _ in parameter_entries(model, topology):
-        source = param.grad if grads else param.data
+    for entry in parameter_entries(model, topology):
+        source = entry.param.grad if grads else entry.param.data
         if source is None:
-            raise ParallelError(f"parameter {name} has no gradient; run backward first")
-        local = _global_view(name, param, source.detach())
-        if group is None or tuple(local.shape) == global_shape:
-            state[global_name] = local.clone()
+            raise ParallelError(f"parameter {entry.name} has no gradient; run backward first")
+        source = source.detach()
+        if group is None or _split_dim(entry.param) is None:
+            state[entry.global_name] = entry.view(source).clone()
             continue
+        # gather whole slices (padding included: every rank's is the same size), then cut
+        local = _global_view(entry.name, entry.param, source).contiguous()
         pieces = [torch.empty_like(local) for _ in range(topology.tp)]
-        dist.all_gather(pieces, local.contiguous(), group=group)
-        state[global_name] = torch.cat(pieces, dim=_split_dim(param))
+        dist.all_gather(pieces, local, group=group)
+        full = torch.cat(pieces, dim=_split_dim(entry.param))
+        state[entry.global_name] = full[: entry.global_shape[0]] if hasattr(entry.param, "vocab_rows") else full
     return state

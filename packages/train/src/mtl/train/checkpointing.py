@@ -1,25 +1,33 @@
 """Training state <-> sharded checkpoints (mtl.ckpt).
 
-Model parameters are stored under their global names and global shapes, so any rank layout
-can read them; optimizer moments are stored flat per parameter, readable at any dp, pp, vpp
-and cp but only at the tp they were saved with; iteration, data position, loss scale, the
-resolved config and versions go to the metadata; RNG states are stored per rank."""
+Every tensor is stored in its layout-independent global shape (``mtl.models.param_layout``):
+model parameters and both AdamW moments alike, so a checkpoint saved at any (tp, pp, vpp,
+cp, dp, distributed optimizer on or off) resumes at any other valid layout, each rank reading
+only the slices it holds. Vocabulary padding is not stored. Each tensor is written once: the
+data/context-parallel replicas take turns by parameter (so all of them write), TP replicas
+and tied copies leave it to the owner. Iteration, data position, loss scale, the resolved
+config and versions go to the metadata; RNG states are stored per rank and restored where
+the layout and device type match (elsewhere re-derived from the seed and iteration)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import os
 from typing import Any
 
 import torch
 
 from mtl.ckpt import latest_iteration, read_metadata
+from mtl.ckpt.directory import LATEST_FILE
+from mtl.ckpt.flat_range import flat_range_shards
 from mtl.ckpt.sharded import ShardedTensor
 from mtl.core.config import RunConfig
 from mtl.core.config_io import config_diff, config_from_dict
 from mtl.core.errors import CheckpointError
 from mtl.core.log import get_logger
 from mtl.core.plugins import registry
-from mtl.models.param_layout import global_layout, parameter_entries
+from mtl.models.param_layout import ParamEntry, parameter_entries
 from mtl.parallel.random import get_rng_tracker
 from mtl.parallel.topology import Topology
 
@@ -28,56 +36,77 @@ log = get_logger(__name__)
 # Keys that may change between a save and a resume without changing the model's numbers.
 RESUMABLE_CHANGES = ("train.iters", "train.exit_interval", "train.eval_interval", "train.eval_iters",
                      "ckpt", "logging", "train.lr_decay_iters", "data.num_workers", "train.device")
+# Derived from the layout (the padding of the vocabulary for tp): never stored, never compared.
+LAYOUT_DERIVED = ("model.padded_vocab_size", "model.make_vocab_size_divisible_by")
+RNG_LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "distributed_optimizer")
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return getattr(chunk, "module", chunk)
 
 
-def _replica_id(topology: Topology, param: torch.nn.Parameter, tied_copy: bool, dp_sharded: bool = False) -> int:
+def _entries(chunks: list, topology: Topology) -> list[ParamEntry]:
+    """This rank's parameters in model order (the same order on every data-parallel replica)."""
+    return [entry for chunk in chunks for entry in parameter_entries(_unwrap(chunk), topology)]
+
+
+def _replica_id(topology: Topology, entry: ParamEntry, index: int) -> int:
     """0 on the one rank that writes this tensor, 1 on the ranks that hold a copy of it.
 
-    Copies are: data/context-parallel replicas (unless the state is sharded over dp x cp, as
-    the distributed optimizer's is), tensor-parallel replicas of parameters TP does not split
-    (norms, row-parallel biases), and the last pipeline stage's copy of a tied embedding."""
-    coordinates = [] if dp_sharded else [topology.dp_rank, topology.cp_rank]
-    if topology.tp > 1 and getattr(param, "tp_split_dim", None) is None:
-        coordinates.append(topology.tp_rank)
-    return int(any(coordinates) or tied_copy)
-
-
-def _parameters_by_global_name(chunks: list, topology: Topology) -> dict[str, tuple[torch.nn.Parameter, bool]]:
-    """Global name -> (this rank's parameter, whether it is a tied copy of another stage's)."""
-    return {
-        global_name: (param, global_name != local_name)
-        for chunk in chunks
-        for global_name, local_name, param, _, _ in parameter_entries(_unwrap(chunk), topology)
-    }
+    Data/context-parallel replicas take turns by parameter index, so a save writes in
+    parallel over every rank; of the tensor-parallel replicas of a parameter TP does not
+    split (norms, row-parallel biases) rank 0 writes; the last pipeline stage's copy of a
+    tied embedding is never written."""
+    replicas = topology.dp * topology.cp
+    turn = index % replicas == topology.dp_rank * topology.cp + topology.cp_rank
+    tp_copy = topology.tp > 1 and getattr(entry.param, "tp_split_dim", None) is None and topology.tp_rank != 0
+    return int(not turn or tp_copy or entry.is_tied_copy)
 
 
 def model_sharded_state(chunks: list, topology: Topology) -> dict[str, ShardedTensor]:
-    params = _parameters_by_global_name(chunks, topology)
     state: dict[str, ShardedTensor] = {}
-    for chunk in chunks:
-        for name, (local, global_shape, offset) in global_layout(_unwrap(chunk), topology).items():
-            state[f"model.{name}"] = ShardedTensor(
-                key=f"model.{name}", data=local, global_shape=tuple(global_shape), global_offset=tuple(offset),
-                replica_id=_replica_id(topology, *params[name]),
-            )
+    for index, entry in enumerate(_entries(chunks, topology)):
+        key = f"model.{entry.global_name}"
+        state[key] = ShardedTensor(key, entry.view(entry.param.data), entry.global_shape, entry.global_offset,
+                                   _replica_id(topology, entry, index))
     return state
 
 
-def optimizer_sharded_state(optimizer, topology: Topology, chunks: list) -> dict[str, ShardedTensor]:
-    # The distributed optimizer shards over the whole dp x cp group, so every rank of it writes
-    # its own piece; TP and tied-embedding copies follow the parameter's own replication.
-    params = _parameters_by_global_name(chunks, topology)
-    global_names = {param: name for name, (param, _) in params.items()}
-    state = {}
-    for key, (tensor, global_shape, offset) in optimizer.sharded_state("optimizer", global_names).items():
-        param, tied_copy = params[key.removeprefix("optimizer.").rsplit(".", 1)[0]]
-        state[key] = ShardedTensor(key=key, data=tensor, global_shape=tuple(global_shape), global_offset=tuple(offset),
-                                   replica_id=_replica_id(topology, param, tied_copy, optimizer.is_dp_sharded))
+def optimizer_save_state(optimizer, topology: Topology, chunks: list) -> dict[str, ShardedTensor]:
+    """Both AdamW moments of every parameter, whole and in the parameter's global shape.
+
+    A collective under the distributed optimizer (it gathers each bucket's moments over dp x
+    cp); a rank keeps a copy only of the tensors it writes and describes the rest by shape."""
+    entries = _entries(chunks, topology)
+    index_of = {id(entry.param): index for index, entry in enumerate(entries)}
+    state: dict[str, ShardedTensor] = {}
+    for param, moments in optimizer.full_moments():
+        index = index_of[id(param)]
+        entry, replica_id = entries[index], _replica_id(topology, entries[index], index)
+        for moment, tensor in moments.items():
+            data = entry.view(tensor)
+            if optimizer.is_dp_sharded:  # views of a gathered bucket, gone after this step
+                data = data.clone() if replica_id == 0 else torch.zeros((), dtype=data.dtype).expand(data.shape)
+            key = f"optimizer.{entry.global_name}.{moment}"
+            state[key] = ShardedTensor(key, data, entry.global_shape, entry.global_offset, replica_id)
     return state
+
+
+def optimizer_load_template(optimizer, topology: Topology, chunks: list) -> dict[str, list[ShardedTensor]]:
+    """The live moments this rank updates, as boxes of the stored global tensors: loading
+    fills the optimizer state in place, reading only this rank's elements (its flat shard
+    under the distributed optimizer, split into boxes by ``mtl.ckpt.flat_range``)."""
+    entries = {id(entry.param): entry for entry in _entries(chunks, topology)}
+    template: dict[str, list[ShardedTensor]] = {}
+    for piece in optimizer.state_pieces():
+        entry = entries[id(piece.source)]
+        for moment, flat in piece.moments.items():
+            key = f"optimizer.{entry.global_name}.{moment}"
+            template.setdefault(key, []).extend(flat_range_shards(
+                key, flat, entry.local_shape, entry.global_offset, entry.global_shape, piece.first,
+                limit_rows=entry.valid_rows,
+            ))
+    return template
 
 
 def _rng_states() -> dict[str, torch.Tensor]:
@@ -132,7 +161,7 @@ def save_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimiz
         chunk.finish_param_sync()
     state: dict[str, Any] = {
         **model_sharded_state(chunks, topology),
-        **optimizer_sharded_state(optimizer, topology, chunks),
+        **optimizer_save_state(optimizer, topology, chunks),
         **rng_sharded_state(topology),
     }
     metadata = {
@@ -152,21 +181,27 @@ def save_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimiz
 
 
 def _device_type(chunks: list) -> str:
-    return next(_unwrap(chunks[0]).parameters()).device.type
+    return _device(chunks).type
+
+
+def model_differences(saved: dict, config: RunConfig) -> list[str]:
+    """``model.*`` settings that differ between a saved config and ``config`` (the ones that
+    change the model's numbers: not the backend, not the layout-derived padding)."""
+    saved_cfg = config_from_dict(saved)
+    saved_cfg.resolved = True
+    return [d for d in config_diff(saved_cfg, config, ignore=LAYOUT_DERIVED)
+            if d.startswith("model.") and not d.startswith("model.backend")]
 
 
 def check_compatible(saved: dict, config: RunConfig, directory: str) -> None:
     """Name every difference between the saved and the current config; refuse the ones that
-    change the model's shape or the parallel layout of optimizer state we cannot reshard."""
+    change the model. Parallel layout changes are fine: every state reshards."""
     saved_cfg = config_from_dict(saved)
     saved_cfg.resolved = True
-    differences = config_diff(saved_cfg, config)
-    if not differences:
-        return
-    fatal = [d for d in differences if d.startswith("model.") and not d.startswith("model.backend")]
-    for line in differences:
-        if not line.startswith(RESUMABLE_CHANGES):  # those change on every resume: not news
+    for line in config_diff(saved_cfg, config, ignore=LAYOUT_DERIVED):
+        if not line.startswith(RESUMABLE_CHANGES) and not line.startswith("model."):
             log.warning("resuming %s with a changed setting: %s", directory, line)
+    fatal = model_differences(saved, config)
     if fatal:
         raise CheckpointError(
             f"checkpoint {directory} was saved from a different model:\n  " + "\n  ".join(fatal)
@@ -174,40 +209,91 @@ def check_compatible(saved: dict, config: RunConfig, directory: str) -> None:
         )
 
 
+def has_checkpoint(directory: str | None) -> bool:
+    return bool(directory) and os.path.isfile(os.path.join(directory, LATEST_FILE))
+
+
+def starting_checkpoint(config: RunConfig) -> tuple[str | None, bool]:
+    """(directory to start from, whether to resume optimizer/iteration/schedule from it).
+
+    ``ckpt.load`` holding a checkpoint resumes it (weights only with ``ckpt.load_optimizer =
+    false``); otherwise ``ckpt.finetune_from`` gives the starting weights; otherwise none."""
+    c = config.ckpt
+    if c.load and (has_checkpoint(c.load) or not c.finetune_from):
+        if c.finetune_from:
+            log.info("ckpt.load %s holds a checkpoint: resuming it (ckpt.finetune_from is for the first start)", c.load)
+        return c.load, c.load_optimizer
+    if c.finetune_from:
+        return c.finetune_from, False
+    return None, False
+
+
+def check_checkpoint_dirs(config: RunConfig) -> None:
+    """Before any compute: the checkpoint a run starts from and the directory it saves into
+    must hold this model (another run's directory is refused with the differences named)."""
+    c = config.ckpt
+    source, _ = starting_checkpoint(config)
+    for key, directory in (("ckpt.load" if source == c.load else "ckpt.finetune_from", source), ("ckpt.save", c.save)):
+        if not has_checkpoint(directory):
+            if directory is not None and directory == source:
+                latest_iteration(directory)  # raises, naming what the directory holds
+            continue
+        saved = read_metadata(directory)
+        differences = model_differences(saved["config"], config)
+        if differences:
+            raise CheckpointError(
+                f"{key} = {directory} holds checkpoints of a different model:\n  " + "\n  ".join(differences)
+                + ("\nsave into another directory (ckpt.save), or remove that one" if key == "ckpt.save"
+                   else "\nuse the same model settings as the checkpoint")
+            )
+
+
+def _same_rng_layout(metadata: dict, config: RunConfig, topology: Topology, chunks: list) -> bool:
+    return (metadata.get("world_size") == topology.world_size
+            and metadata.get("device_type") == _device_type(chunks)
+            and all(metadata["config"]["parallel"].get(k) == getattr(config.parallel, k) for k in RNG_LAYOUT_KEYS))
+
+
+def resume_seed(seed: int, iteration: int) -> int:
+    """A seed for the RNG streams of a run resumed at another layout: a function of the run's
+    seed and the iteration, so the resumed run neither replays step 1's draws nor depends on
+    anything but its config."""
+    digest = hashlib.sha256(f"{seed}:resume:{iteration}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
 def load_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimizer, directory: str,
                     load_optimizer: bool = True) -> dict:
-    """Load in place; returns the metadata (iteration, consumed_samples, loss_scaler, ...)."""
+    """Load in place from any layout; returns the metadata (iteration, consumed_samples,
+    loss_scaler, ...). ``load_optimizer=False`` reads the weights only (a fine-tuning start:
+    the caller starts the iteration, schedule and optimizer afresh)."""
+    from mtl.train.setup import seed_everything  # noqa: PLC0415 (setup imports this module)
+
     iteration = latest_iteration(directory)
     metadata = read_metadata(directory, iteration)
     check_compatible(metadata["config"], config, directory)
     if metadata.get("model_only"):  # a converted checkpoint: weights only, training starts anew
         load_optimizer = False
-    saved_tp = metadata["config"]["parallel"].get("tp")
-    if load_optimizer and saved_tp != config.parallel.tp:
-        # The flat moments of a row-parallel weight interleave differently at another tp: loading
-        # them would silently pair each moment with the wrong element.
-        raise CheckpointError(
-            f"checkpoint {directory} holds optimizer state saved at parallel.tp = {saved_tp}; resuming "
-            f"at parallel.tp = {config.parallel.tp} needs the same tp (dp, pp, vpp and cp may change)"
-        )
     template: dict[str, Any] = dict(model_sharded_state(chunks, topology))
-    # RNG streams are per rank and per device type: restored only where both match (and
-    # where the checkpoint has them: older ones lack the device type).
-    same_layout = (
-        not metadata.get("model_only")
-        and metadata.get("world_size") == topology.world_size
-        and metadata.get("device_type") == _device_type(chunks)
-        and all(metadata["config"]["parallel"].get(k) == getattr(config.parallel, k)
-                for k in ("tp", "pp", "vpp", "cp", "distributed_optimizer"))
-    )
+    same_rng = load_optimizer and _same_rng_layout(metadata, config, topology, chunks)
     if load_optimizer:
-        template.update(optimizer_sharded_state(optimizer, topology, chunks))
-    if same_layout:
+        template.update(optimizer_load_template(optimizer, topology, chunks))
+    if same_rng:
         template.update(rng_sharded_state(topology))
     checkpoint_format(config).load(template, directory, iteration)
-    if same_layout:
+    if same_rng:
         _restore_rng_states({key: value.data.view(-1).clone() for key, value in template.items()
                              if key.startswith("rng.")})
+    elif load_optimizer:
+        seed_everything(resume_seed(config.train.seed, iteration), topology, _device(chunks))
+        saved = metadata["config"]["parallel"]
+        log.info("RNG streams re-seeded from (train.seed, iteration %d): the checkpoint's are per rank of "
+                 "another layout (world size %s, %s)", iteration, metadata.get("world_size"),
+                 ", ".join(f"{k} {saved.get(k)}" for k in RNG_LAYOUT_KEYS))
     if load_optimizer:
         optimizer.load_common_state(metadata["optimizer_common"])
     return metadata
+
+
+def _device(chunks: list) -> torch.device:
+    return next(_unwrap(chunks[0]).parameters()).device

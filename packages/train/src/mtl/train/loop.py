@@ -15,7 +15,8 @@ from mtl.core.errors import ConfigError
 from mtl.core.log import get_logger
 from mtl.core.plugins import registry
 from mtl.train.batches import MicroBatches
-from mtl.train.checkpointing import checkpoint_format, load_checkpoint, save_checkpoint
+from mtl.ckpt import prune_checkpoints
+from mtl.train.checkpointing import checkpoint_format, load_checkpoint, save_checkpoint, starting_checkpoint
 from mtl.train.lr_schedule import learning_rate
 from mtl.train.metrics import progress_line, throughput
 from mtl.train.precision import LossScaler
@@ -86,12 +87,17 @@ def train(config: RunConfig, progress: bool = True) -> TrainResult:
     cfg, t = run.config, run.config.train
     scaler = LossScaler.for_config(t)
     iteration, consumed = 0, 0
-    if cfg.ckpt.load:
-        metadata = load_checkpoint(cfg, run.topology, run.chunks, run.optimizer, cfg.ckpt.load)
-        iteration, consumed = metadata["iteration"], metadata["consumed_samples"]
-        if scaler.dynamic and "loss_scaler" in metadata:
-            scaler.load_state_dict(metadata["loss_scaler"])
-        log.info("resumed from %s at iteration %d", cfg.ckpt.load, iteration)
+    source, full_resume = starting_checkpoint(cfg)
+    if source is not None:
+        metadata = load_checkpoint(cfg, run.topology, run.chunks, run.optimizer, source, load_optimizer=full_resume)
+        if full_resume and not metadata.get("model_only"):
+            iteration, consumed = metadata["iteration"], metadata["consumed_samples"]
+            if scaler.dynamic and "loss_scaler" in metadata:
+                scaler.load_state_dict(metadata["loss_scaler"])
+            log.info("resumed from %s at iteration %d", source, iteration)
+        else:
+            log.info("weights from %s (its iteration %d); optimizer, schedule and data start at iteration 0",
+                     source, metadata["iteration"])
 
     writer = _writes_metrics(run)
     callbacks = []
@@ -111,6 +117,8 @@ def train(config: RunConfig, progress: bool = True) -> TrainResult:
         if cfg.ckpt.save:
             save_checkpoint(cfg, run.topology, run.chunks, run.optimizer, iteration=step,
                             consumed_samples=consumed, scaler_state=scaler.state_dict(), saver=saver)
+            if cfg.ckpt.keep_last and run.topology.rank == 0:
+                prune_checkpoints(cfg.ckpt.save, cfg.ckpt.keep_last)
 
     last_saved = iteration
     with _StopSignal() as stop:
@@ -151,6 +159,8 @@ def train(config: RunConfig, progress: bool = True) -> TrainResult:
         checkpoint(iteration)
     if saver is not None:
         saver.wait()
+        if cfg.ckpt.keep_last and run.topology.rank == 0:  # the last save has just committed
+            prune_checkpoints(cfg.ckpt.save, cfg.ckpt.keep_last)
     for chunk in run.chunks:  # parallel.overlap_param_gather: hand back complete parameters
         chunk.finish_param_sync()
     for cb in callbacks:

@@ -15,6 +15,7 @@ from mtl.core.plugins import registry
 from mtl.parallel.distributed import init_distributed
 from mtl.parallel.random import seed_everything as seed_rng_streams
 from mtl.parallel.topology import Topology
+from mtl.train.checkpointing import check_checkpoint_dirs
 
 log = get_logger(__name__)
 
@@ -114,6 +115,7 @@ def setup(config: RunConfig) -> Run:
     rank, world_size, device = init_distributed(config.train.device)
     tokenizer = build_tokenizer(config)
     config = config.resolve(world_size=world_size, tokenizer_vocab_size=tokenizer.vocab_size)
+    check_checkpoint_dirs(config)
     p = config.parallel
     topology = Topology.build(tp=p.tp, pp=p.pp, cp=p.cp, vpp=p.vpp, ep=p.ep)
     seed_everything(config.train.seed, topology, device)

@@ -23,6 +23,7 @@ from mtl.models.gpt.rope import RotaryEmbedding
 from mtl.models.gpt.transformer_block import TransformerBlock
 from mtl.models.gpt.transformer_layer import sequence_parallel_norm_kwargs
 from mtl.models.initialization import initialize_parameters
+from mtl.models.param_layout import mark_vocab_rows
 from mtl.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
 
@@ -83,6 +84,12 @@ class GPTModel(nn.Module):
             )
         if m.tie_embeddings:
             self._tie_embeddings()
+        # Rows past the true vocabulary pad the tables to a multiple of 128·tp: invisible to
+        # the layout (checkpoints, init, export) and, masked in the loss, to the math.
+        if pre_process:
+            mark_vocab_rows(self.embedding.word_embeddings.weight, m.vocab_size)
+        if post_process:
+            mark_vocab_rows(self.output_layer.weight, m.vocab_size)
 
     def _tie_embeddings(self) -> None:
         """One stage with both ends shares the Parameter. Split over pipeline stages, the
@@ -125,7 +132,7 @@ class GPTModel(nn.Module):
         logits = self.output_layer(self.final_norm(hidden))  # [s(/tp), b, h] -> [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [b, s, V/tp]
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.topology)  # [s, b] fp32
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.topology, vocab_size=self.vocab_size)  # [s, b] fp32
         return loss.t()  # [b, s]
 
     def _stage_input(self, input_ids: torch.Tensor | None) -> torch.Tensor | None:

@@ -3,6 +3,7 @@ the weight-decay groups, LR access, state dicts and checkpoint-shaped state."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 from mtl.core.errors import CheckpointError, ConfigError
 from mtl.parallel.optimizer.grad_norm import clip_grad_norm
 from mtl.parallel.optimizer.param_groups import uses_weight_decay
-from mtl.parallel.optimizer.state_layout import MOMENTS, ensure_adamw_state, flat_global_range
+from mtl.parallel.optimizer.state_layout import MOMENTS, MomentPiece, ensure_adamw_state
 from mtl.parallel.topology import Topology
 
 
@@ -77,7 +78,7 @@ class AdamWShell:
         return [(e.name, e.first, e.piece.numel()) for e in self.entries]
 
     def state_dict(self) -> dict:
-        """For an exact resume at the same layout; use ``sharded_state`` to change layouts."""
+        """For an exact resume at the same layout; checkpoints use ``full_moments``/``state_pieces``."""
         return {"adamw": self.inner.state_dict(), "layout": self._layout()}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -90,21 +91,22 @@ class AdamWShell:
             )
         self.inner.load_state_dict(state_dict["adamw"])
 
-    def sharded_state(self, prefix: str, param_names: dict | None = None) -> dict:
-        """``{name: (tensor, global_shape, global_offset)}`` of this rank's AdamW moments.
-
-        Names are ``{prefix}.{param name}.exp_avg|exp_avg_sq``, the parameter name taken from
-        ``param_names[param]`` when given (pass global names with pipeline parallelism), else
-        the local one. Tensors are 1-D views of the live state (loading into them in place
-        restores it); ranges follow ``state_layout``. The step count is in ``common_state()``."""
-        out = {}
+    def state_pieces(self) -> list[MomentPiece]:
+        """The live AdamW moments of every piece this rank updates (see ``state_layout``);
+        the state is created at step 0 if the optimizer has not stepped, so a checkpoint can
+        be loaded into it in place. The step count is in ``common_state()``."""
+        pieces = []
         for e in self.entries:
             state = ensure_adamw_state(self.inner, e.piece)
-            name = param_names.get(e.source, e.name) if param_names else e.name
-            global_shape, global_offset = flat_global_range(e.source, e.first, self.topology)
-            for moment in MOMENTS:
-                out[f"{prefix}.{name}.{moment}"] = (state[moment].view(-1), global_shape, global_offset)
-        return out
+            pieces.append(MomentPiece(e.source, e.name, e.first, {m: state[m].view(-1) for m in MOMENTS}))
+        return pieces
+
+    def full_moments(self) -> Iterator[tuple[nn.Parameter, dict[str, torch.Tensor]]]:
+        """(parameter, {moment: tensor shaped like the parameter}) for every parameter; see
+        ``state_layout``. Subclasses whose state is sharded override this."""
+        for e in self.entries:
+            state = ensure_adamw_state(self.inner, e.piece)
+            yield e.source, {m: state[m] for m in MOMENTS}
 
     def common_state(self) -> dict:
         """What every rank holds alike: the number of steps taken."""

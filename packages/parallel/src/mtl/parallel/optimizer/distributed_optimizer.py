@@ -16,12 +16,19 @@ replicated path does, so both give the same update.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from mtl.core.errors import ParallelError
 from mtl.parallel.ddp import DataParallel
 from mtl.parallel.optimizer.adamw_shell import AdamWShell, StateEntry
+from mtl.parallel.optimizer.state_layout import MOMENTS
 from mtl.parallel.topology import Topology
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _shard_entries(chunks: list[DataParallel]) -> list[StateEntry]:
@@ -61,6 +68,33 @@ class DistributedOptimizer(AdamWShell):
         self.inner.step()
         for chunk in self.chunks:
             chunk.gather_params()  # returns at once with overlap_param_gather: forwards wait
+
+    def full_moments(self) -> Iterator[tuple[nn.Parameter, dict[str, torch.Tensor]]]:
+        """Every parameter's whole moments, all-gathered over the dp x cp group one bucket at a
+        time (a collective: every rank of the group iterates to the end). Each bucket's
+        moments are gathered like its parameters after a step; the tensors yielded are views
+        of that bucket's gathered copy, valid until the next bucket: clone what you keep."""
+        pieces = {id(p.source): p for p in self.state_pieces()}
+        for chunk in self.chunks:
+            for buf in chunk.buffers_by_dtype:
+                for bucket in buf.buckets:
+                    lo, hi = bucket.shard_range(chunk.group_rank)
+                    gathered = {}
+                    for moment in MOMENTS:
+                        shard = torch.zeros(hi - lo, dtype=buf.dtype, device=buf.device)
+                        for slot in bucket.slots:  # this rank's piece of each parameter it owns
+                            piece = pieces.get(id(slot.param))
+                            if piece is not None:
+                                at = slot.start + piece.first - (bucket.start + lo)
+                                shard[at : at + piece.moments[moment].numel()] = piece.moments[moment]
+                        if chunk.group is None:
+                            gathered[moment] = shard
+                        else:
+                            gathered[moment] = torch.empty(bucket.numel, dtype=buf.dtype, device=buf.device)
+                            _all_gather(gathered[moment], shard, group=chunk.group)
+                    for slot in bucket.slots:
+                        start, end = slot.start - bucket.start, slot.end - bucket.start
+                        yield slot.param, {m: t[start:end].view_as(slot.param) for m, t in gathered.items()}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for chunk in self.chunks:

@@ -1,38 +1,36 @@
-"""Where a rank's optimizer moments sit in a checkpoint: a flat range of each parameter.
+"""How optimizer state is described for checkpoints: whole moments per parameter, in the
+parameter's own shape, whatever the optimizer shards.
 
-The distributed optimizer owns flat ranges of parameters (``param.view(-1)[first:last]``),
-which are not boxes of the parameter's shape, so both optimizer paths describe their moments
-as 1-D ranges of one flat global tensor per parameter:
+Both optimizer paths offer the same two views of their AdamW moments:
 
-- a replicated parameter (no ``param.tp_split_dim``): the flattened parameter,
-  ``global_shape = (numel,)``, ``global_offset = (first,)``;
-- a TP-split parameter: the TP shards' flattenings one after another in ``tp_rank`` order,
-  ``global_shape = (tp * numel_local,)``, ``global_offset = (tp_rank * numel_local + first,)``.
-  For a split along dim 0 (column-parallel weights, vocab-parallel embeddings) this is exactly
-  the flattened global tensor.
-
-A checkpoint written by either path, at any data-parallel size, loads into either path at
-any data-parallel size with the same TP degree.
+- ``full_moments()``: every parameter's complete moments, shaped like the parameter (the TP
+  shard of it). The replicated optimizer has them; the distributed optimizer all-gathers them
+  over the data x context-parallel group one bucket at a time (a collective). A checkpoint
+  stores them like the weights, in the layout-independent global shape, so any layout reads them.
+- ``state_pieces()``: the live moments this rank updates, as flat ranges of parameters
+  (``MomentPiece``): the whole parameter for the replicated optimizer, this rank's shard for
+  the distributed one. Loading into them in place restores the state, reading only those ranges.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
-
-from mtl.parallel.topology import Topology
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def flat_global_range(
-    param: nn.Parameter, first: int, topology: Topology
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(global_shape, global_offset) of ``param.view(-1)[first:...]`` in the flat layout."""
-    numel = param.numel()
-    if getattr(param, "tp_split_dim", None) is None or topology.tp == 1:
-        return (numel,), (first,)
-    return (topology.tp * numel,), (topology.tp_rank * numel + first,)
+@dataclass(eq=False)
+class MomentPiece:
+    """The live moments of ``source.view(-1)[first:first + n]``: ``moments[name]`` is a 1-D
+    view of n elements of the optimizer's state (writing it writes the state)."""
+
+    source: nn.Parameter
+    name: str
+    first: int
+    moments: dict[str, torch.Tensor]
 
 
 def ensure_adamw_state(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> dict:
