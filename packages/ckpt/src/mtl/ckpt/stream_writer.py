@@ -17,6 +17,7 @@ go to ``iter_N.partial``, renamed to ``iter_N`` (and ``latest`` updated) at the 
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import itertools
 import json
@@ -24,12 +25,20 @@ import os
 import shutil
 from typing import Any
 
+import numpy as np
 import torch
 
 from mtl.ckpt import __version__, directory, storage
 from mtl.core.errors import CheckpointError
 
 __all__ = ["StreamingCheckpointWriter"]
+
+
+def sha256(array: np.ndarray) -> str:
+    """``storage.checksum``'s digest (the little-endian C-order bytes), hashed in place
+    rather than through a ``tobytes`` copy."""
+    array = np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False)
+    return hashlib.sha256(array.reshape(-1).view(np.uint8).data).hexdigest()
 
 
 class StreamingCheckpointWriter:
@@ -89,8 +98,8 @@ class StreamingCheckpointWriter:
             box_shape = tuple(min(c, n - o) for o, c, n in zip(offset, chunk, shape))
             box = data[tuple(slice(o, o + s) for o, s in zip(offset, box_shape))]
             storage.write_region(array, offset, box)
-            digest = storage.checksum(box)
-            if storage.checksum(storage.read_region(array, offset, box_shape, key)) != digest:
+            digest = sha256(box)
+            if sha256(storage.read_region(array, offset, box_shape, key)) != digest:
                 raise CheckpointError(f"tensor '{key}' offset {offset}: data read back differs from data written")
             shards.append({"offset": list(offset), "shape": list(box_shape), "sha256": digest})
         self.tensors[key] = {

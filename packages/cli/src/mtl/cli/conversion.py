@@ -10,20 +10,23 @@ the checkpoint's global tensors, whatever layout saved them, one at a time (``Ch
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import click
+import numpy as np
 import torch
 
-from mtl.ckpt import ShardedTensor, latest_iteration, read_metadata
-from mtl.ckpt import load as ckpt_load
-from mtl.ckpt.directory import read_manifest
+from mtl.ckpt import latest_iteration, read_metadata, storage
+from mtl.ckpt.directory import iteration_dir, read_manifest
 from mtl.ckpt.storage import dtype_from_name
-from mtl.ckpt.stream_writer import StreamingCheckpointWriter
+from mtl.ckpt.stream_writer import StreamingCheckpointWriter, sha256
 from mtl.core.config import RunConfig
 from mtl.core.config_io import config_from_dict
 from mtl.core.errors import CheckpointError, ConfigError
@@ -131,6 +134,32 @@ def _converted_tensors(converter, src_dir: Path, options: dict[str, Any]):
     return section, metas, drain()
 
 
+def _glibc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+    except OSError:  # not glibc: nothing to tune
+        return None
+
+
+_GLIBC = _glibc()
+_M_ARENA_MAX = -8  # mallopt parameter (malloc.h)
+
+
+def keep_memory_to_one_tensor() -> None:
+    """Make freed tensor buffers go back to the OS. tensorstore's I/O threads allocate chunk
+    buffers in per-thread glibc arenas that keep what they free, so a conversion's resident
+    memory would grow by a few tensors' worth above what it holds; one arena (set before those
+    threads start) and a trim after each tensor keep it at about the tensor in hand."""
+    if _GLIBC is not None:
+        _GLIBC.mallopt(_M_ARENA_MAX, 1)
+
+
+def release_freed_memory() -> None:
+    if _GLIBC is not None:
+        _GLIBC.malloc_trim(0)
+
+
 @dataclass
 class ImportResult:
     config: RunConfig
@@ -142,6 +171,7 @@ def to_mtl(src: str, dst: str, *, src_format: str = "hf", family: str | None = N
            **options) -> ImportResult:
     """Convert ``src`` (a ``src_format`` checkpoint) into an mtl checkpoint at ``dst`` stored for
     the ``tp`` x ``pp`` layout. ``options`` (e.g. ``vocab_size``) go to the converter."""
+    keep_memory_to_one_tensor()
     src_dir, dst_dir = Path(src), Path(dst)
     if not src_dir.exists():
         raise CheckpointError(f"{src_dir} does not exist: give the {src_format} checkpoint directory to convert")
@@ -170,6 +200,7 @@ def to_mtl(src: str, dst: str, *, src_format: str = "hf", family: str | None = N
     for name, tensor in tensors:
         writer.write(MODEL_PREFIX + name, tensor, layout[name][1])
         del tensor  # the only reference: one converted tensor (or q/k/v group) alive at a time
+        release_freed_memory()
         count += 1
     if tokenizer is not None:
         (dst_dir / "tokenizer").mkdir(exist_ok=True)
@@ -208,11 +239,26 @@ class CheckpointSource:
         return torch.empty(entry["global_shape"], dtype=dtype_from_name(entry["dtype"]), device="meta")
 
     def get(self, name: str) -> torch.Tensor:
-        meta = self.meta(name)
-        key = MODEL_PREFIX + name
-        target = ShardedTensor(key, torch.empty(meta.shape, dtype=meta.dtype), tuple(meta.shape), (0,) * meta.dim())
-        ckpt_load({key: target}, self.dir, self.iteration, strict=True, verify=True)
-        return target.data
+        """The whole global tensor, each stored shard checked against its sha256; read with
+        tensorstore into one buffer (``mtl.ckpt.load`` would hold three copies at its peak)."""
+        entry, key = self._entry(name), MODEL_PREFIX + name
+        release_freed_memory()  # what the previous tensor's read and write left behind
+        array = storage.open_array(os.path.join(iteration_dir(self.dir, self.iteration), entry["path"]), key)
+        shape = tuple(entry["global_shape"])
+        words = storage.read_region(array, (0,) * len(shape), shape, key)
+        for shard in entry["shards"]:
+            box = words[tuple(slice(o, o + n) for o, n in zip(shard["offset"], shard["shape"]))]
+            if sha256(box) != shard["sha256"]:
+                raise CheckpointError(
+                    f"{self.dir}: tensor '{key}' shard at offset {shard['offset']} fails its checksum; the "
+                    "checkpoint is corrupt — export another iteration"
+                )
+        words = np.ascontiguousarray(words)
+        if words.dtype == np.uint16:  # bfloat16 stored as raw words; torch views int16 words
+            words = words.view(np.int16)
+        tensor = torch.from_numpy(words)
+        logical = dtype_from_name(entry["dtype"])
+        return tensor if tensor.dtype == logical else tensor.view(logical)  # raw words -> logical dtype
 
 
 def _checkpoint_eod(ckpt_dir: Path, cfg: RunConfig, metadata: dict) -> int | None:
@@ -229,6 +275,7 @@ def from_mtl(src: str, dst: str, *, dst_format: str = "hf", family: str | None =
     """Export the mtl checkpoint ``src`` (saved at any layout) to ``dst`` through the family's
     ``dst_format`` converter; returns the files it wrote. For ``hf``, ``options`` may name the
     ``architecture`` (default: the one converted from, else the config's) and ``max_shard_bytes``."""
+    keep_memory_to_one_tensor()
     src_dir, dst_dir = Path(src), Path(dst)
     if not src_dir.is_dir():
         raise CheckpointError(f"checkpoint directory {src_dir} does not exist")

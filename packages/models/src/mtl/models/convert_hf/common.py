@@ -77,6 +77,7 @@ class TensorStream:
                     f"{tuple(expected.shape)} {expected.dtype}; the source file is corrupt"
                 )
             yield name, tensor
+            del tensor  # the consumer holds the only reference: freed once it is done with it
 
 
 def stream(convert: Convert, source: TensorSource, *, ignored: Callable[[str], bool] = lambda name: False,

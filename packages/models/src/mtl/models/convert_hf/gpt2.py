@@ -76,6 +76,7 @@ def gpt2_to_mtl(section: dict[str, Any], read: Read, prefix: str = "transformer.
             yield ours + f"input_norm.{suffix}", read(hf_layer + f"ln_1.{suffix}")
         c_attn_w = read(hf_layer + "attn.c_attn.weight").t()  # Conv1D [h, 3h] -> Linear [3h, h]
         yield ours + "self_attention.linear_qkv.weight", fuse_qkv(*c_attn_w.split(hidden), num_groups=heads)
+        del c_attn_w
         c_attn_b = read(hf_layer + "attn.c_attn.bias")
         yield ours + "self_attention.linear_qkv.bias", fuse_qkv(*c_attn_b.split(hidden), num_groups=heads)
         yield ours + "self_attention.linear_proj.weight", read(hf_layer + "attn.c_proj.weight").t().contiguous()
@@ -115,10 +116,9 @@ def gpt2_from_mtl(m, read: Read) -> Iterator[tuple[str, torch.Tensor]]:
         for suffix in ("weight", "bias"):
             yield hf_layer + f"ln_1.{suffix}", read(ours + f"input_norm.{suffix}")
             yield hf_layer + f"ln_2.{suffix}", read(ours + f"pre_mlp_norm.{suffix}")
-        qkv_w = split_qkv(read(ours + "self_attention.linear_qkv.weight"), *split)
-        yield hf_layer + "attn.c_attn.weight", torch.cat(qkv_w, dim=0).t()  # -> Conv1D [h, 3h]
-        qkv_b = split_qkv(read(ours + "self_attention.linear_qkv.bias"), *split)
-        yield hf_layer + "attn.c_attn.bias", torch.cat(qkv_b, dim=0)
+        yield hf_layer + "attn.c_attn.weight", torch.cat(  # -> Conv1D [h, 3h]
+            split_qkv(read(ours + "self_attention.linear_qkv.weight"), *split), dim=0).t()
+        yield hf_layer + "attn.c_attn.bias", torch.cat(split_qkv(read(ours + "self_attention.linear_qkv.bias"), *split))
         yield hf_layer + "attn.c_proj.weight", read(ours + "self_attention.linear_proj.weight").t()
         yield hf_layer + "attn.c_proj.bias", read(ours + "self_attention.linear_proj.bias")
         yield hf_layer + "mlp.c_fc.weight", read(ours + "mlp.linear_fc1.weight").t()

@@ -111,15 +111,17 @@ def llama_to_mtl(section: dict[str, Any], read: Read) -> Iterator[tuple[str, tor
         hf_layer, ours = f"model.layers.{i}.", f"layers.{i}."
         yield ours + "input_norm.weight", read(hf_layer + "input_layernorm.weight")
         for suffix in ("weight", "bias") if qkv_bias else ("weight",):
-            q, k, v = (read(hf_layer + f"self_attn.{p}_proj.{suffix}") for p in "qkv")
-            yield ours + f"self_attention.linear_qkv.{suffix}", fuse_qkv(q, k, v, num_groups=groups)
+            qkv = [read(hf_layer + f"self_attn.{p}_proj.{suffix}") for p in "qkv"]
+            yield ours + f"self_attention.linear_qkv.{suffix}", fuse_qkv(*qkv, num_groups=groups)
+            del qkv  # freed before the next read
         for suffix in ("weight", "bias") if all_bias else ("weight",):
             yield ours + f"self_attention.linear_proj.{suffix}", read(hf_layer + f"self_attn.o_proj.{suffix}")
         yield ours + "pre_mlp_norm.weight", read(hf_layer + "post_attention_layernorm.weight")
         for suffix in ("weight", "bias") if all_bias else ("weight",):
             # [2, ffn, ...]: gate then up, the layout of our fused SwiGLU fc1
-            gate, up = read(hf_layer + f"mlp.gate_proj.{suffix}"), read(hf_layer + f"mlp.up_proj.{suffix}")
-            yield ours + f"mlp.linear_fc1.{suffix}", torch.stack((gate, up))
+            gate_up = [read(hf_layer + f"mlp.gate_proj.{suffix}"), read(hf_layer + f"mlp.up_proj.{suffix}")]
+            yield ours + f"mlp.linear_fc1.{suffix}", torch.stack(gate_up)
+            del gate_up
             yield ours + f"mlp.linear_fc2.{suffix}", read(hf_layer + f"mlp.down_proj.{suffix}")
     yield "final_norm.weight", read("model.norm.weight")
     if not section["tie_embeddings"]:
@@ -148,17 +150,18 @@ def llama_from_mtl(m, read: Read) -> Iterator[tuple[str, torch.Tensor]]:
         yield hf_layer + "input_layernorm.weight", read(ours + "input_norm.weight")
         for suffix in ("weight", "bias") if qkv_bias else ("weight",):
             fused = read(ours + f"self_attention.linear_qkv.{suffix}")
-            q, k, v = split_qkv(fused, m.num_attention_heads, m.num_query_groups, m.head_dim)
-            yield hf_layer + f"self_attn.q_proj.{suffix}", q
-            yield hf_layer + f"self_attn.k_proj.{suffix}", k
-            yield hf_layer + f"self_attn.v_proj.{suffix}", v
+            parts = list(split_qkv(fused, m.num_attention_heads, m.num_query_groups, m.head_dim))
+            del fused
+            for p in "qkv":
+                yield hf_layer + f"self_attn.{p}_proj.{suffix}", parts.pop(0)  # dropped as it goes
         for suffix in ("weight", "bias") if all_bias else ("weight",):
             yield hf_layer + f"self_attn.o_proj.{suffix}", read(ours + f"self_attention.linear_proj.{suffix}")
         yield hf_layer + "post_attention_layernorm.weight", read(ours + "pre_mlp_norm.weight")
         for suffix in ("weight", "bias") if all_bias else ("weight",):
-            gate, up = read(ours + f"mlp.linear_fc1.{suffix}")
-            yield hf_layer + f"mlp.gate_proj.{suffix}", gate
-            yield hf_layer + f"mlp.up_proj.{suffix}", up
+            fc1 = read(ours + f"mlp.linear_fc1.{suffix}")  # [2, ffn, ...]
+            yield hf_layer + f"mlp.gate_proj.{suffix}", fc1[0]
+            yield hf_layer + f"mlp.up_proj.{suffix}", fc1[1]
+            del fc1
             yield hf_layer + f"mlp.down_proj.{suffix}", read(ours + f"mlp.linear_fc2.{suffix}")
     yield "model.norm.weight", read("final_norm.weight")
     if not m.tie_embeddings:
