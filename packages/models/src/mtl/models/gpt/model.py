@@ -60,7 +60,7 @@ class GPTModel(nn.Module):
                 sequence_parallel=self.sequence_parallel,
                 topology=topology,
             )
-        self.rotary = RotaryEmbedding(m.head_dim, m.rope_theta) if m.position_embedding == "rope" else None
+        self.rotary = RotaryEmbedding.from_config(m) if m.position_embedding == "rope" else None
         self.layers = TransformerBlock(
             layer_spec(config, backend),
             layer_range if layer_range is not None else (0, m.num_layers),
