@@ -43,7 +43,9 @@ def test_ckpt_inspect_lists_keys_with_shapes(mtl, ok, trained_ckpt):
     meta = json.loads(out[: out.index("\n}\n") + 2])
     assert meta["iteration"] == 2 and meta["consumed_samples"] == 8
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("model.", "optimizer."))}
-    assert "(384, 32)" in rows["model.embedding.word_embeddings.weight"]
+    # the byte tokenizer's 257 rows: the padding to 384 is not stored
+    assert "(257, 32)" in rows["model.embedding.word_embeddings.weight"]
+    assert "(257, 32)" in rows["optimizer.embedding.word_embeddings.weight.exp_avg"]
     assert "(16, 32)" in rows["model.embedding.position_embeddings.weight"]
     assert "(32,)" in rows["model.final_norm.weight"]
     assert any(k.startswith("model.layers.1.") for k in rows)
@@ -68,7 +70,9 @@ def test_demo_end_to_end(mtl, ok, workdir):
         assert step in out
     assert re.search(r"[\d,]+ docs, [\d,]+ tokens", out)
     assert re.search(r"loss \d+\.\d+ -> \d+\.\d+", out)
-    assert out.rstrip("\n").splitlines()[-1].startswith("On Monday")
+    # the sample (prompt + continuation) comes last; a 3-step model may sample a newline
+    sample = out[out.rindex("On Monday"):]
+    assert sample.startswith("On Monday") and len(sample) > len("On Monday")
     assert (workdir / "d" / "corpus_text_document.idx").is_file()
     assert (workdir / "d" / "checkpoints" / "latest").read_text().strip().endswith("3")
     assert (workdir / "d" / "logs" / "metrics.jsonl").is_file()
