@@ -90,10 +90,12 @@ def main() -> None:
     row("mtl zarr save (async): training stall", stall, "until save() returns (device->host copy)")
     row("mtl zarr save (async): until committed", total)
 
+    shutil.rmtree(zarr_dir)  # each format's files go before the next is written: disk is finite
     torch_path = os.path.join(args.dir, "state.pt")
     row("torch.save", timed(lambda: torch.save(state, torch_path)))
     row("torch.load (to GPU)", timed(lambda: torch.load(torch_path, map_location=run.device)))
 
+    os.remove(torch_path)
     dcp_dir = os.path.join(args.dir, "dcp")
     row("torch.distributed.checkpoint save", timed(lambda: dcp.save(state, checkpoint_id=dcp_dir)))
     target = {k: torch.empty_like(v) for k, v in state.items()}
