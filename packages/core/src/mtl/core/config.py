@@ -22,6 +22,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.lr_schedule": ("constant", "linear", "cosine", "wsd"),
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.recompute": ("none", "selective", "full"),
+    "train.fp8": ("none", "current", "delayed", "rowwise", "blockwise"),
+    "train.fp8_format": ("e4m3", "hybrid"),
+    "train.fp8_amax_compute_algo": ("max", "most_recent"),
 }
 
 
@@ -112,6 +115,13 @@ class TrainConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     precision: str = "fp32"
+    # FP8 GEMMs in the transformer layers (the backend's; see mtl.core.registrations.Fp8Settings):
+    # none | current | delayed | rowwise | blockwise, as the selected backend implements them.
+    fp8: str = "none"
+    fp8_format: str = "hybrid"  # e4m3 everywhere, or hybrid: e4m3 forward, e5m2 gradients
+    fp8_amax_history_len: int = 16  # delayed scaling: how many earlier amaxes set the scale
+    fp8_amax_compute_algo: str = "max"  # delayed scaling: max over the history, or most_recent
+    fp8_margin: int = 0  # delayed scaling: scale = fp8_max / amax / 2**margin
     seed: int = 1234
     eval_interval: int = 1000
     eval_iters: int = 10
@@ -193,6 +203,7 @@ class RunConfig:
         _resolve_parallel(p, world_size, m)
         _resolve_model(m, p, tokenizer_vocab_size)
         _resolve_train(t, p)
+        _check_backend(m, t)
         cfg.resolved = True
         return cfg
 
@@ -355,3 +366,26 @@ def _resolve_train(t: TrainConfig, p: ParallelConfig) -> None:
         )
     if not 0.0 <= t.wsd_decay_fraction <= 1.0:
         raise ConfigError(f"train.wsd_decay_fraction = {t.wsd_decay_fraction} must be in [0, 1]")
+
+
+def _check_backend(m: ModelConfig, t: TrainConfig) -> None:
+    """The selected backend can run here and implements the FP8 recipe asked for. Only a
+    backend that is registered is asked (a missing one is named when the model is built)."""
+    from mtl.core.plugins import registry  # noqa: PLC0415 (plugins imports the hookspecs, not config)
+
+    if t.fp8 != "none" and t.fp8_amax_history_len < 1:
+        raise ConfigError(f"train.fp8_amax_history_len = {t.fp8_amax_history_len} must be at least 1")
+    backends = registry("backend")
+    if m.backend not in backends:
+        return
+    backend = backends.get(m.backend)
+    if backend.check_available is not None:
+        backend.check_available()
+    if t.fp8 != "none" and t.fp8 not in backend.fp8_recipes:
+        others = [f"'{name}' ({', '.join(backends.get(name).fp8_recipes)})" for name in backends.names()
+                  if t.fp8 in backends.get(name).fp8_recipes]
+        offer = f"; backends that do: {', '.join(others)}" if others else ""
+        raise ConfigError(
+            f"train.fp8 = '{t.fp8}' is not a recipe of model.backend = '{m.backend}' (it has: "
+            f"{', '.join(backend.fp8_recipes) or 'no FP8'}){offer}; set train.fp8 = 'none' or change model.backend"
+        )

@@ -30,7 +30,20 @@ def mtl_backends() -> list[Backend]:
     """Return the layer backends this plugin provides (``local``, ``te``, ``fp8``, ...).
 
     A backend builds the leaves of a layer (linears, norm, core attention); the model family
-    owns the tree. Selected by ``model.backend``."""
+    owns the tree. Selected by ``model.backend``. The exact call of each factory is in
+    ``mtl.core.registrations.Backend``; in short:
+
+    - required: ``column_linear``, ``row_linear`` (Megatron's column/row tensor-parallel
+      contract, sequence-first ``[s, b, h]``, every split parameter tagged ``tp_split_dim``),
+      ``norm`` and ``core_attention``;
+    - optional fusion: ``norm_column_linear`` (norm + column linear, TE's LayerNormLinear) and
+      ``norm_mlp`` (norm + the whole MLP, TE's LayerNormMLP). The layer spec asks for them
+      where a norm feeds a linear and otherwise builds the separate pair; the norm module stays
+      where the layer puts it, so parameter names never depend on the backend;
+    - FP8: ``fp8_recipes`` (the ``train.fp8`` values it implements; ``resolve`` refuses the
+      others) and the ``fp8=Fp8Settings`` keyword its transformer-layer linears then receive;
+    - ``check_available()``: one clear line naming what to install when the backend cannot
+      run here (``resolve`` calls it)."""
 
 
 @hookspec

@@ -33,6 +33,38 @@ class Backend:
       and returns ``[b, s_q, heads, d]`` (heads and groups are the local, per-TP-rank counts;
       ``s_q < s_kv`` when decoding with a KV cache, the causal mask then aligned to the end).
       The local backend also takes ``softmax_scale=None``.
+
+    Optional fusion (``None``: the layer applies ``norm`` and the separate linear(s)). One
+    layer spec serves every backend; where a norm feeds a linear, it asks for the fused leaf
+    and falls back to the pair. The norm module is always built by ``norm`` and stays in the
+    tree where the layer puts it (``input_norm``, ``pre_mlp_norm``), so parameter names,
+    initialisation, checkpoints and converters are the same for every backend; the fused leaf
+    receives it as ``norm=``, applies it itself (its parameters, ``eps``, and LayerNorm or
+    RMSNorm by type) and must not register it as a submodule. Under sequence parallelism it
+    also sums the norm's parameter gradients over TP, as the separate norm would.
+
+    - ``norm_column_linear(input_size, output_size, *, norm, bias, init_std, topology,
+      sequence_parallel=False, stride=1) -> nn.Module``: ``forward(x) == column_linear(norm(x))``
+      with the column linear's parameters, names (``weight``, ``bias``) and layout.
+    - ``norm_mlp(*, norm, hidden_size, ffn_hidden_size, activation, bias, init_std,
+      output_init_std, topology, sequence_parallel) -> nn.Module``: the whole MLP block,
+      ``forward(x) == fc2(act(fc1(norm(x))))`` with ``activation`` "gelu" or "swiglu"; its
+      parameters are named and laid out as ``mtl.models.gpt.mlp.MLP``'s: ``linear_fc1.weight``
+      ``[fc1_width/tp, h]`` (SwiGLU: ``[gate_local; up_local]``, tagged ``tp_stride = 2``),
+      ``linear_fc2.weight`` ``[h, ffn/tp]``, and their biases.
+
+    FP8: ``fp8_recipes`` lists the ``train.fp8`` recipes the backend implements
+    ("current", "delayed", "rowwise", "blockwise"); ``RunConfig.resolve`` refuses any other.
+    When ``train.fp8`` is not "none" the layer passes ``fp8=Fp8Settings`` to
+    ``column_linear``, ``row_linear``, ``norm_column_linear`` and ``norm_mlp`` of the
+    transformer layers (never to the output layer, which stays in the compute precision), so a
+    backend without FP8 never sees the keyword. FP8 state that must survive a restart (amax
+    histories) is held in parameters with ``requires_grad = False``: the model-state
+    checkpoint carries them, the optimizer and gradient buffers skip them.
+
+    ``check_available() -> None`` (optional) raises ``mtl.core.errors.NotInstalledError`` with
+    one line naming what to install when the backend cannot run in this environment (e.g.
+    Transformer Engine missing); ``RunConfig.resolve`` calls it for the selected backend.
     """
 
     name: str
@@ -41,6 +73,40 @@ class Backend:
     norm: Callable[..., Any]
     core_attention: Callable[..., Any]
     description: str = ""
+    norm_column_linear: Callable[..., Any] | None = None
+    norm_mlp: Callable[..., Any] | None = None
+    fp8_recipes: tuple[str, ...] = ()
+    check_available: Callable[[], None] | None = None
+
+
+FP8_RECIPES = ("current", "delayed", "rowwise", "blockwise")
+
+
+@dataclass(frozen=True)
+class Fp8Settings:
+    """The resolved FP8 settings a backend's linears receive as ``fp8=`` (from ``train.fp8*``).
+
+    - ``recipe``: "current" (per-tensor scale from this tensor's amax), "delayed" (per-tensor
+      scale from the amax history of earlier calls), "rowwise" (a scale per row of each GEMM
+      operand along its contraction dimension), "blockwise" (TE's 1x128/128x128 blocks).
+    - ``format``: "e4m3" (e4m3 everywhere) or "hybrid" (e4m3 forward, e5m2 gradients).
+    - ``amax_history_len``, ``amax_compute_algo`` ("max" over the history or "most_recent"),
+      ``margin`` (scale = fp8_max / amax / 2**margin): delayed scaling only.
+    """
+
+    recipe: str
+    format: str = "hybrid"
+    amax_history_len: int = 16
+    amax_compute_algo: str = "max"
+    margin: int = 0
+
+    @classmethod
+    def from_train_config(cls, train: Any) -> "Fp8Settings | None":
+        """None when ``train.fp8 == "none"``."""
+        if train.fp8 == "none":
+            return None
+        return cls(train.fp8, train.fp8_format, train.fp8_amax_history_len, train.fp8_amax_compute_algo,
+                   train.fp8_margin)
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ class SelfAttention(nn.Module):
         recompute_core_attention: bool,
         topology,
         submodules: SelfAttentionSubmodules,
+        input_norm: nn.Module | None = None,
     ):
         super().__init__()
         tp = topology.tp
@@ -60,6 +61,8 @@ class SelfAttention(nn.Module):
         self.local_heads = num_attention_heads // tp
         self.recompute_core_attention = recompute_core_attention
         qkv_width = num_query_groups * (self.heads_per_group + 2) * head_dim
+        # input_norm: the layer's norm, applied by a fused norm + column linear (the layer
+        # then passes the un-normalised hidden states)
         self.linear_qkv = build_module(
             submodules.linear_qkv,
             hidden_size,
@@ -68,6 +71,7 @@ class SelfAttention(nn.Module):
             init_std=init_std,
             topology=topology,
             sequence_parallel=sequence_parallel,
+            **({"norm": input_norm} if input_norm is not None else {}),
         )
         # QK-norm weights are shared by all heads, but each TP rank normalises only its own
         # heads: like a norm under sequence parallelism, their gradients are summed over TP.

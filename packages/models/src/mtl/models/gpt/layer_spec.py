@@ -2,13 +2,16 @@
 
 Every number comes from the resolved config; only the layer number and the topology are
 given at build time. A backend swaps the leaves (linears, norms, core attention), never the
-tree.
+tree. Where a norm feeds a linear the spec asks for the backend's fused leaf
+(``norm_column_linear`` for QKV, ``norm_mlp`` for the MLP, else ``norm_column_linear`` for fc1)
+and falls back to the separate pair; the norm stays at its place in the tree either way, so
+parameter names do not depend on the backend (``mtl.core.registrations.Backend``).
 """
 
 from __future__ import annotations
 
 from mtl.core.config import RunConfig
-from mtl.core.registrations import Backend
+from mtl.core.registrations import Backend, Fp8Settings
 from mtl.core.spec import ModuleSpec
 from mtl.models.gpt.attention import SelfAttention, SelfAttentionSubmodules
 from mtl.models.gpt.mlp import MLP, MLPSubmodules
@@ -29,6 +32,15 @@ def norm_spec(config: RunConfig, backend: Backend, size: int) -> ModuleSpec:
 def layer_spec(config: RunConfig, backend: Backend) -> ModuleSpec:
     """The spec of one transformer layer; ``build_module(spec, layer_number=i, topology=t)``."""
     m, sp = config.model, config.parallel.sequence_parallel
+    fp8 = Fp8Settings.from_train_config(config.train)
+
+    def linear(factory):
+        """The backend's linear factory, told the FP8 settings when there are any (a backend
+        without FP8 never receives the keyword: resolve refused the config already)."""
+        return ModuleSpec(factory, {"fp8": fp8}) if fp8 is not None else factory
+
+    fuse_input_norm = backend.norm_column_linear is not None
+    fuse_pre_mlp_norm = backend.norm_mlp is not None or backend.norm_column_linear is not None
     qk_norm = norm_spec(config, backend, m.head_dim) if m.qk_norm else None
     attention = ModuleSpec(
         SelfAttention,
@@ -47,29 +59,35 @@ def layer_spec(config: RunConfig, backend: Backend) -> ModuleSpec:
             "recompute_core_attention": config.train.recompute == "selective",
         },
         SelfAttentionSubmodules(
-            linear_qkv=backend.column_linear,
+            linear_qkv=linear(backend.norm_column_linear if fuse_input_norm else backend.column_linear),
             core_attention=backend.core_attention,
-            linear_proj=backend.row_linear,
+            linear_proj=linear(backend.row_linear),
             q_norm=qk_norm,
             k_norm=qk_norm,
         ),
     )
-    mlp = ModuleSpec(
-        MLP,
-        {
-            "hidden_size": m.hidden_size,
-            "ffn_hidden_size": m.ffn_hidden_size,
-            "activation": m.activation,
-            "bias": m.bias,
-            "init_std": m.init_std,
-            "output_init_std": output_init_std(config),
-            "sequence_parallel": sp,
-        },
-        MLPSubmodules(linear_fc1=backend.column_linear, linear_fc2=backend.row_linear),
-    )
+    mlp_params = {
+        "hidden_size": m.hidden_size,
+        "ffn_hidden_size": m.ffn_hidden_size,
+        "activation": m.activation,
+        "bias": m.bias,
+        "init_std": m.init_std,
+        "output_init_std": output_init_std(config),
+        "sequence_parallel": sp,
+    }
+    if backend.norm_mlp is not None:  # the whole block is the backend's (TE's LayerNormMLP)
+        mlp = ModuleSpec(backend.norm_mlp, {**mlp_params, **({"fp8": fp8} if fp8 is not None else {})})
+    else:
+        fc1 = backend.norm_column_linear if fuse_pre_mlp_norm else backend.column_linear
+        mlp = ModuleSpec(MLP, mlp_params, MLPSubmodules(linear_fc1=linear(fc1), linear_fc2=linear(backend.row_linear)))
     return ModuleSpec(
         TransformerLayer,
-        {"hidden_dropout": m.hidden_dropout, "sequence_parallel": sp},
+        {
+            "hidden_dropout": m.hidden_dropout,
+            "sequence_parallel": sp,
+            "fuse_input_norm": fuse_input_norm,
+            "fuse_pre_mlp_norm": fuse_pre_mlp_norm,
+        },
         TransformerLayerSubmodules(
             input_norm=norm_spec(config, backend, m.hidden_size),
             self_attention=attention,

@@ -4,6 +4,9 @@ GELU (GPT-2 style): ``fc2(gelu(fc1(x)))`` with fc1 ``[ffn, h]``. SwiGLU (Llama s
 fc1 fuses gate and up projections, ``[2 * ffn, h]`` globally, and each TP rank holds
 ``[gate_local; up_local]`` (``stride = 2``, tagged ``tp_stride = 2`` for the parameter layout);
 ``fc2(silu(gate) * up)``.
+
+``norm``: the layer's pre-MLP norm, given when fc1 is the backend's fused norm + column
+linear (it applies the norm; the layer passes the un-normalised hidden states).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class MLP(nn.Module):
         sequence_parallel: bool,
         topology,
         submodules: MLPSubmodules,
+        norm: nn.Module | None = None,
     ):
         super().__init__()
         self.gated = activation == "swiglu"
@@ -50,6 +54,7 @@ class MLP(nn.Module):
             topology=topology,
             sequence_parallel=sequence_parallel,
             stride=2 if self.gated else 1,
+            **({"norm": norm} if norm is not None else {}),
         )
         if self.gated:
             for param in self.linear_fc1.parameters():

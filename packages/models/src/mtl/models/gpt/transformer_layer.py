@@ -1,5 +1,9 @@
 """One pre-norm transformer layer: input norm -> self-attention -> residual -> pre-MLP norm
--> MLP -> residual. Its parts come from a ``ModuleSpec`` (see ``layer_spec.py``)."""
+-> MLP -> residual. Its parts come from a ``ModuleSpec`` (see ``layer_spec.py``).
+
+With a backend that fuses a norm into the linear after it (``fuse_input_norm``: into QKV;
+``fuse_pre_mlp_norm``: into the MLP's fc1 or the whole MLP) the norm is still built here and
+keeps its name, but the fused leaf applies it: the layer hands it over and skips its call."""
 
 from __future__ import annotations
 
@@ -38,15 +42,22 @@ class TransformerLayer(nn.Module):
         sequence_parallel: bool,
         topology,
         submodules: TransformerLayerSubmodules,
+        fuse_input_norm: bool = False,
+        fuse_pre_mlp_norm: bool = False,
     ):
         super().__init__()
         self.layer_number = layer_number  # global, 0-based
         self.hidden_dropout = hidden_dropout
         norm_kwargs = sequence_parallel_norm_kwargs(sequence_parallel, topology)
         self.input_norm = build_module(submodules.input_norm, **norm_kwargs)
-        self.self_attention = build_module(submodules.self_attention, layer_number=layer_number, topology=topology)
+        self.fuse_input_norm = fuse_input_norm
+        self.fuse_pre_mlp_norm = fuse_pre_mlp_norm
+        self.self_attention = build_module(
+            submodules.self_attention, layer_number=layer_number, topology=topology,
+            **({"input_norm": self.input_norm} if fuse_input_norm else {}),
+        )
         self.pre_mlp_norm = build_module(submodules.pre_mlp_norm, **norm_kwargs)
-        self.mlp = build_module(submodules.mlp, topology=topology)
+        self.mlp = build_module(submodules.mlp, topology=topology, **({"norm": self.pre_mlp_norm} if fuse_pre_mlp_norm else {}))
 
     def forward(
         self,
@@ -55,7 +66,8 @@ class TransformerLayer(nn.Module):
         inference_context: InferenceContext | None = None,
     ) -> torch.Tensor:
         """[s(/tp), b, h] -> [s(/tp), b, h]."""
-        attention_out = self.self_attention(self.input_norm(hidden), rotary, inference_context)
+        attention_in = hidden if self.fuse_input_norm else self.input_norm(hidden)
+        attention_out = self.self_attention(attention_in, rotary, inference_context)
         hidden = hidden + F.dropout(attention_out, p=self.hidden_dropout, training=self.training)
-        mlp_out = self.mlp(self.pre_mlp_norm(hidden))
+        mlp_out = self.mlp(hidden if self.fuse_pre_mlp_norm else self.pre_mlp_norm(hidden))
         return hidden + F.dropout(mlp_out, p=self.hidden_dropout, training=self.training)
