@@ -56,6 +56,8 @@ def initialize_parameters(model: nn.Module, seed: int, topology) -> None:
     for entry in parameter_entries(model, topology):
         if entry.param.is_meta:  # shapes only (e.g. `mtl train --dry-run`): nothing to fill, nothing to draw
             continue
+        if not entry.param.requires_grad:  # a backend's state (an FP8 amax history): its module set it
+            continue
         if hasattr(entry.param, "vocab_rows"):
             entry.param.data.zero_()  # padding rows: zero, and never read (see param_layout)
         local = entry.view(entry.param.data)

@@ -177,6 +177,8 @@ def gather_global_state(model: nn.Module, topology, *, grads: bool = False) -> d
     group = topology.tp_group
     state = {}
     for entry in parameter_entries(model, topology):
+        if grads and not entry.param.requires_grad:  # a backend's state (an FP8 amax history)
+            continue
         source = entry.param.grad if grads else entry.param.data
         if source is None:
             raise ParallelError(f"parameter {entry.name} has no gradient; run backward first")

@@ -58,7 +58,8 @@ class MLP(nn.Module):
         )
         if self.gated:
             for param in self.linear_fc1.parameters():
-                param.tp_stride = 2
+                if hasattr(param, "tp_split_dim"):  # not a backend's replicated state (FP8 amax history)
+                    param.tp_stride = 2
         self.linear_fc2 = build_module(
             submodules.linear_fc2,
             ffn_hidden_size,

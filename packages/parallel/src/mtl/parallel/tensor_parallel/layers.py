@@ -83,12 +83,17 @@ class ColumnParallelLinear(nn.Module):
         if bias is not None:
             self.bias.copy_(shard_of(bias, 0, self.tp, self.tp_rank, self.stride))
 
+    def local_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """This rank's GEMM between the TP communication; a quantized backend (mtl-quant's
+        FP8 layers) replaces it and keeps the column/row-parallel contract around it."""
+        return F.linear(x, weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             x = mappings.gather_from_sequence_parallel(x, self.tp_group)  # [s/tp, b, in] -> [s, b, in]
         else:
             x = mappings.copy_to_tensor_parallel(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias)  # [s, b, out/tp]
+        y = self.local_linear(x, self.weight, self.bias)  # [s, b, out/tp]
         if self.gather_output:
             y = mappings.gather_from_tensor_parallel(y, self.tp_group)  # [s, b, out]
         return y
@@ -154,10 +159,14 @@ class RowParallelLinear(nn.Module):
         if bias is not None:
             self.bias.copy_(bias)
 
+    def local_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """This rank's GEMM (its partial sum) between the TP communication; see ColumnParallelLinear."""
+        return F.linear(x, weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = mappings.scatter_to_tensor_parallel(x, self.tp_group)  # [s, b, in] -> [s, b, in/tp]
-        partial = F.linear(x, self.weight)  # [s, b, out], a partial sum on each TP rank
+        partial = self.local_linear(x, self.weight, None)  # [s, b, out], a partial sum on each TP rank
         if self.sequence_parallel:
             y = mappings.reduce_scatter_to_sequence_parallel(partial, self.tp_group)  # -> [s/tp, b, out]
         else:

@@ -1,0 +1,146 @@
+"""FP8 column- and row-parallel linears: mtl.parallel's layers with an FP8 local GEMM.
+
+The TP communication (sequence-parallel all-gather and reduce-scatter, the all-reduce after
+a row layer) and the parameter layout are mtl.parallel's, unchanged: only ``local_linear``,
+the rank's GEMM between them, is replaced. Weights stay in their own dtype (fp32 or bf16
+master/compute weights); each call quantizes them. The bias is added in the compute dtype.
+
+Which amaxes are reduced over TP so that every rank's scale is one process's: the weight's
+always (TP splits it), the input's in a row layer (its features are split), the output
+gradient's in a column layer (its features are split). Under sequence parallelism the column
+layer's input is gathered before the GEMM and the row layer's output gradient is gathered by
+the reduce-scatter's backward, so neither needs more.
+
+Delayed scaling keeps ``fp8_amax_history`` ``[3, L]`` (rows: input, weight, output gradient;
+column 0 the most recent) as a parameter with ``requires_grad=False``: the model-state
+checkpoint saves and restores it, the optimizer skips it. Its amaxes are also reduced over
+the data/context-parallel group, so every replica holds the same history. The scale of a
+call comes from the history (its max, or the most recent entry), or from the call's own amax
+while the history is still empty (the first call); the call's amax then enters the history.
+A forward recomputed for activation checkpointing reuses the scales its original forward used
+(kept first in, first out until that micro-batch's backward) and records nothing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from mtl.core.errors import ConfigError
+from mtl.core.registrations import Fp8Settings
+from mtl.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from mtl.quant.linear_function import Fp8Linear, GemmPlan
+from mtl.quant.scaling import E4M3, amax, formats, reduce_max, scale_from_amax
+
+RECIPES = ("current", "delayed", "rowwise")
+INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a plain linear would return here: autocast's when it is on, else x's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (where activation checkpointing recomputes)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Fp8Gemm:
+    """The FP8 ``local_linear`` shared by both layers; ``k_split`` says whether TP splits the
+    input features (row-parallel) or the output features (column-parallel)."""
+
+    def _setup_fp8(self, fp8: Fp8Settings, topology, k_split: bool) -> None:
+        if fp8.recipe not in RECIPES:
+            raise ConfigError(
+                f"train.fp8 = '{fp8.recipe}' is not a recipe of the fp8 backend (it has {', '.join(RECIPES)})"
+            )
+        self.fp8 = fp8
+        self.k_split = k_split
+        self.grad_dtype = formats(fp8.format)[1]
+        dp_group = topology.group("dp_cp") if topology is not None else None
+        self.history_groups = (self.tp_group, dp_group)
+        if fp8.recipe == "delayed":
+            self.fp8_amax_history = nn.Parameter(torch.zeros(3, fp8.amax_history_len), requires_grad=False)
+            self._recompute_scales: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+            self._calls = 0
+
+    def _groups(self, role: int) -> tuple:
+        """The groups over which this role's amax is reduced (see the module docstring)."""
+        split = role == WEIGHT or (role == INPUT) == self.k_split
+        tp_group = self.tp_group if split else None
+        return (tp_group, self.history_groups[1]) if self.fp8.recipe == "delayed" else (tp_group,)
+
+    def _current_scale(self, role: int, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return scale_from_amax(reduce_max(amax(tensor), *self._groups(role)), dtype)
+
+    def _delayed_scale(self, role: int, tensor: torch.Tensor, dtype: torch.dtype, record: bool) -> torch.Tensor:
+        current = reduce_max(amax(tensor), *self._groups(role))
+        history = self.fp8_amax_history.data[role]  # [L], most recent first
+        past = (history.max() if self.fp8.amax_compute_algo == "max" else history[0]).float().clone()
+        chosen = torch.where(past > 0, past, current)  # an empty history: this call's own amax
+        if record:
+            history.copy_(torch.roll(history, 1))
+            history[0] = current
+        return scale_from_amax(chosen, dtype, self.fp8.margin)
+
+    def _plan(self, x: torch.Tensor, weight: torch.Tensor) -> GemmPlan:
+        recipe = self.fp8.recipe
+        plan = GemmPlan(rowwise=recipe == "rowwise", grad_dtype=self.grad_dtype, tp_group=self.tp_group,
+                        k_split=self.k_split)
+        if recipe == "current":
+            plan.scale_x = self._current_scale(INPUT, x, E4M3)
+            plan.scale_w = self._current_scale(WEIGHT, weight, E4M3)
+            plan.grad_scale = lambda dy: self._current_scale(GRAD_OUTPUT, dy, self.grad_dtype)
+        elif recipe == "delayed":
+            self._plan_delayed(plan, x, weight)
+        return plan
+
+    def _plan_delayed(self, plan: GemmPlan, x: torch.Tensor, weight: torch.Tensor) -> None:
+        plan.grad_scale = lambda dy: self._delayed_scale(GRAD_OUTPUT, dy, self.grad_dtype, record=True)
+        if in_backward() and self._recompute_scales:  # activation recompute: the original forward's scales
+            _, (plan.scale_x, plan.scale_w) = self._recompute_scales.popitem(last=False)
+            return
+        record = self.training and torch.is_grad_enabled() and not in_backward()
+        plan.scale_x = self._delayed_scale(INPUT, x, E4M3, record)
+        plan.scale_w = self._delayed_scale(WEIGHT, weight, E4M3, record)
+        if record:
+            key, self._calls = self._calls, self._calls + 1
+            self._recompute_scales[key] = (plan.scale_x, plan.scale_w)
+            plan.release = lambda: self._recompute_scales.pop(key, None)
+
+    def local_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] -> [..., N] through FP8 GEMMs (forward and backward)."""
+        out_dtype = compute_dtype(x)
+        x2d = x.reshape(-1, x.shape[-1]).contiguous()  # [s * b, K]
+        y = Fp8Linear.apply(x2d, weight, self._plan(x2d, weight), out_dtype)
+        y = y.view(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias.to(y.dtype)
+
+    def fp8_repr(self) -> str:
+        return f"fp8={self.fp8.recipe}/{self.fp8.format}"
+
+
+class Fp8ColumnParallelLinear(Fp8Gemm, ColumnParallelLinear):
+    """``ColumnParallelLinear`` with FP8 GEMMs; ``fp8`` the resolved settings."""
+
+    def __init__(self, input_size: int, output_size: int, *, fp8: Fp8Settings, topology=None, **kwargs):
+        super().__init__(input_size, output_size, topology=topology, **kwargs)
+        self._setup_fp8(fp8, topology, k_split=False)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {self.fp8_repr()}"
+
+
+class Fp8RowParallelLinear(Fp8Gemm, RowParallelLinear):
+    """``RowParallelLinear`` with FP8 GEMMs; ``fp8`` the resolved settings."""
+
+    def __init__(self, input_size: int, output_size: int, *, fp8: Fp8Settings, topology=None, **kwargs):
+        super().__init__(input_size, output_size, topology=topology, **kwargs)
+        self._setup_fp8(fp8, topology, k_split=True)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {self.fp8_repr()}"

@@ -1,0 +1,88 @@
+"""The FP8 GEMMs of one linear layer: ``y = x Wᵀ`` forward, ``dx = dy W`` and ``dW = dyᵀ x``
+backward, each as one ``scaled_mm`` of two quantized operands.
+
+Per-tensor recipes ("current", "delayed"): the layer hands in the scales of x and W; the
+forward keeps the quantized x and W for backward (an FP8 activation is half a bf16 one), and
+their transposes serve the backward GEMMs under the same scale. The gradient's scale comes
+from ``grad_scale(dy)``, the layer's (it reduces the amax over TP, or reads the history).
+
+Row-wise ("rowwise"): every operand is quantized along its own GEMM's contraction dimension,
+one scale per row, from the high-precision tensor; x and W are kept in their own precision
+for the backward, which re-quantizes them along the other axis. Where TP splits a
+contraction dimension (forward K of a row-parallel layer, backward N of a column-parallel
+one) the per-row amaxes are reduced over the TP group, so every rank's scales are one
+process's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from mtl.quant.scaled_matmul import scaled_mm
+from mtl.quant.scaling import E4M3, amax, quantize, reduce_max, scale_from_amax
+
+
+@dataclass
+class GemmPlan:
+    """How one layer's three GEMMs are quantized (built by the layer, once per call)."""
+
+    rowwise: bool
+    grad_dtype: torch.dtype
+    tp_group: Any  # None at tp=1
+    k_split: bool  # the forward contraction (input features) is split over TP: row-parallel
+    grad_scale: Callable[[torch.Tensor], torch.Tensor] | None = None  # per-tensor: dy -> scale
+    scale_x: torch.Tensor | None = None  # per-tensor: the forward scales
+    scale_w: torch.Tensor | None = None
+    release: Callable[[], None] | None = None  # called by the backward: the recompute state is done
+
+
+def _rowwise(t: torch.Tensor, dtype: torch.dtype, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` [rows, K] quantized with one scale per row (amax over K, reduced over ``group``)."""
+    scale = scale_from_amax(reduce_max(amax(t, dim=1), group), dtype)
+    return quantize(t, scale, dtype), scale
+
+
+class Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, plan: GemmPlan, out_dtype: torch.dtype):
+        """x [M, K], weight [N, K] -> [M, N] in out_dtype."""
+        ctx.plan, ctx.x_dtype, ctx.weight_dtype = plan, x.dtype, weight.dtype
+        if plan.rowwise:
+            group = plan.tp_group if plan.k_split else None
+            xq, sx = _rowwise(x, E4M3, group)
+            wq, sw = _rowwise(weight, E4M3, group)
+            ctx.save_for_backward(x, weight)
+        else:
+            xq, wq = quantize(x, plan.scale_x, E4M3), quantize(weight, plan.scale_w, E4M3)
+            sx, sw = plan.scale_x, plan.scale_w
+            ctx.save_for_backward(xq, wq)
+        return scaled_mm(xq, sx, wq, sw, out_dtype)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        plan = ctx.plan
+        saved = ctx.saved_tensors  # under activation checkpointing, this is where the forward is recomputed
+        if plan.release is not None:  # after the recompute, which takes the scales it needs
+            plan.release()
+        dy = dy.contiguous()
+        if plan.rowwise:
+            x, weight = saved
+            n_group = None if plan.k_split else plan.tp_group  # column-parallel: N is split
+            # dx [M, K] = dy [M, N] @ W [N, K]: contraction over N
+            dyq, s_dy = _rowwise(dy, plan.grad_dtype, n_group)
+            wtq, s_wt = _rowwise(weight.t(), E4M3, n_group)  # Wᵀ [K, N]
+            dx = scaled_mm(dyq, s_dy, wtq, s_wt, ctx.x_dtype)
+            # dW [N, K] = dyᵀ [N, M] @ x [M, K]: contraction over the tokens, whole on every rank
+            dytq, s_dyt = _rowwise(dy.t(), plan.grad_dtype, None)
+            xtq, s_xt = _rowwise(x.t(), E4M3, None)
+            dw = scaled_mm(dytq, s_dyt, xtq, s_xt, weight.dtype)
+            return dx, dw, None, None
+        xq, wq = saved
+        s_dy = plan.grad_scale(dy)
+        dyq = quantize(dy, s_dy, plan.grad_dtype)
+        dx = scaled_mm(dyq, s_dy, wq.t().contiguous(), plan.scale_w, ctx.x_dtype)
+        dw = scaled_mm(dyq.t().contiguous(), s_dy, xq.t().contiguous(), plan.scale_x, ctx.weight_dtype)
+        return dx, dw, None, None

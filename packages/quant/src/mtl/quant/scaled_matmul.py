@@ -1,0 +1,49 @@
+"""``a @ bᵀ`` of two FP8 operands through ``torch._scaled_mm``, whatever their shapes.
+
+Both operands are row-major ``[rows, K]`` and quantized along K (the contraction), with a
+scalar scale each or one per row (``[rows, 1]``). On CPU ``torch._scaled_mm`` (torch 2.13)
+takes any shape. On CUDA it wants every dimension a multiple of 16 and the second operand
+column-major; short operands (a decode step's handful of tokens) are zero-padded, which adds
+nothing to the product, and the result is cut back. CUDA's row-wise scaling writes bf16
+only, so its result is cast to the asked dtype afterwards.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CUDA_MULTIPLE = 16
+
+
+def _round_up(n: int) -> int:
+    return -(-n // CUDA_MULTIPLE) * CUDA_MULTIPLE
+
+
+def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """a ``[M, K]`` and b ``[N, K]`` FP8 (contiguous), scales scalar or ``[M, 1]`` / ``[N, 1]``
+    -> ``(a * a_scale) @ (b * b_scale)ᵀ`` ``[M, N]`` in ``out_dtype``."""
+    rowwise = a_scale.dim() > 0
+    if not a.is_cuda:
+        return torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale.t() if rowwise else b_scale,
+                                out_dtype=out_dtype)
+    (m, k), n = a.shape, b.shape[0]
+    m_pad, n_pad, k_pad = _round_up(m), _round_up(n), _round_up(k)
+    a, b = _pad(a, m_pad, k_pad), _pad(b, n_pad, k_pad)  # zeros along K add nothing
+    if rowwise:  # padded rows get scale 1 (their values are zero)
+        a_scale = F.pad(a_scale, (0, 0, 0, m_pad - m), value=1.0)
+        b_scale = F.pad(b_scale, (0, 0, 0, n_pad - n), value=1.0)
+    mm_dtype = torch.bfloat16 if rowwise else out_dtype
+    out = torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale.t() if rowwise else b_scale,
+                           out_dtype=mm_dtype)
+    return out[:m, :n].to(out_dtype)
+
+
+def _pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``t`` in the top-left corner of a zero ``[rows, cols]`` tensor (``t`` itself if it fits)."""
+    if tuple(t.shape) == (rows, cols):
+        return t
+    padded = torch.zeros(rows, cols, dtype=t.dtype, device=t.device)
+    padded[: t.shape[0], : t.shape[1]] = t
+    return padded
