@@ -25,12 +25,12 @@ import torch
 from mtl.ckpt import AsyncSaver, ShardedTensor, directory, retention, save, storage
 
 # Kill points of a save, in the order a save reaches them. "create_array:2" and the commit
-# points run on the caller's thread; "write_region:k" (after the k-th shard reached disk)
+# points run on the caller's thread; "finish_write:k" (after the k-th shard reached disk)
 # runs on the writer thread of an AsyncSaver.
 SAVE_POINTS = [
     "create_array:2",  # iter_2.partial exists with two of three empty arrays
-    "write_region:1",  # one shard of iteration 2 on disk
-    "write_region:3",  # every shard on disk, no metadata.json yet
+    "finish_write:1",  # one shard of iteration 2 on disk
+    "finish_write:3",  # every shard on disk, no metadata.json yet
     "metadata_tmp",  # metadata.json.tmp written, not yet replaced
     "metadata_replaced",  # metadata.json in iter_2.partial, not yet renamed
     "renamed",  # iter_2.partial renamed to iter_2, 'latest' still names 1
@@ -94,7 +94,7 @@ def _around_replace(ckpt_dir: str, point: str, target: str, before: bool) -> Non
 
 def install_save_point(ckpt_dir: str, point: str) -> None:
     name, _, count = point.partition(":")
-    if name in ("create_array", "write_region"):
+    if name in ("create_array", "finish_write"):
         setattr(storage, name, _after_nth(ckpt_dir, point, getattr(storage, name), int(count)))
     elif point in ("metadata_tmp", "metadata_replaced"):
         _around_replace(ckpt_dir, point, directory.METADATA_FILE, before=point == "metadata_tmp")

@@ -29,15 +29,15 @@ def test_failure_mid_write_leaves_previous_checkpoint(tmp_path, monkeypatch):
     ckpt = str(tmp_path)
     save(state_of(1.0), ckpt, 1)
     calls = []
-    real_write = storage.write_region
+    real_write = storage.start_write
 
     def write_then_crash(array, offset, data):
         calls.append(offset)
         if len(calls) == 2:  # the first array is on disk, the second never arrives
             raise OSError("injected crash mid-save")
-        real_write(array, offset, data)
+        return real_write(array, offset, data)
 
-    monkeypatch.setattr(storage, "write_region", write_then_crash)
+    monkeypatch.setattr(storage, "start_write", write_then_crash)
     with pytest.raises(CheckpointError, match="rank 0: OSError: injected crash mid-save.*previous checkpoint is untouched"):
         save(state_of(2.0), ckpt, 2)
     assert os.path.isdir(os.path.join(ckpt, "iter_0000002.partial"))

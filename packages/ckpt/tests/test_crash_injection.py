@@ -24,9 +24,9 @@ crash_writer = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(crash_writer)
 make_state = crash_writer.make_state
 
-THREAD_POINTS = {"write_region:1", "write_region:3"}  # run on the AsyncSaver's writer thread
+THREAD_POINTS = {"finish_write:1", "finish_write:3"}  # run on the AsyncSaver's writer thread
 CASES = [("sync", point) for point in crash_writer.SAVE_POINTS] + [
-    ("async", point) for point in ("create_array:2", "write_region:1", "write_region:3", "metadata_tmp", "renamed")
+    ("async", point) for point in ("create_array:2", "finish_write:1", "finish_write:3", "metadata_tmp", "renamed")
 ]
 
 
@@ -53,11 +53,14 @@ def assert_killed_where_claimed(ckpt_dir: str, point: str) -> None:
     if name == "create_array":
         arrays = os.listdir(os.path.join(partial, directory.ARRAYS_DIR))
         assert len([a for a in arrays if a != "zarr.json"]) == int(count)
-    elif name == "write_region":
+    elif name == "finish_write":
         # chunk files live under arrays/<key>/c/ (zarr v3 default chunk keys)
         chunks = [os.path.join(here, n) for here, _, names in os.walk(partial) for n in names
                   if f"{os.sep}c{os.sep}" in os.path.join(here, n)]
-        assert len(chunks) == int(count), chunks
+        # every shard's write is started at once, so after the k-th is on disk later ones may
+        # be too (or half-written, with tensorstore's lock file beside them)
+        chunks = [c for c in chunks if not c.endswith(".__lock")]
+        assert len(chunks) >= int(count), chunks
     elif point == "metadata_tmp":
         assert sorted(os.listdir(partial)) == ["arrays", "metadata.json.tmp", "zarr.json"]
     elif point == "metadata_replaced":
@@ -110,7 +113,7 @@ def test_sigkill_during_save_leaves_latest_loadable(tmp_path, mode, point):
     assert not [name for name in os.listdir(ckpt) if name.endswith(".partial")]
 
 
-@pytest.mark.parametrize("point", ["write_region:1", "renamed"])
+@pytest.mark.parametrize("point", ["finish_write:1", "renamed"])
 def test_sigkill_during_the_first_save(tmp_path, point):
     """No earlier checkpoint to fall back to: before the rename the directory is as if never
     saved to; after it, iteration 1 is complete but only reachable by number. Either way a

@@ -46,16 +46,16 @@ def _save_two_ranks(sync_dir: str, async_dir: str) -> list:
         shard.data.add_(1)
     saver.wait()
     # a save that fails on rank 1 only: every rank must raise, and nothing is committed
-    original = storage.write_region
+    original = storage.start_write
     if rank == 1:
-        storage.write_region = lambda *a, **k: (_ for _ in ()).throw(OSError("disk full (injected)"))
+        storage.start_write = lambda *a, **k: (_ for _ in ()).throw(OSError("disk full (injected)"))
     try:
         save(state, sync_dir, 20, {"run": "broken"})
         outcome = "saved"
     except CheckpointError as exc:
         outcome = str(exc)
     finally:
-        storage.write_region = original
+        storage.start_write = original
     try:  # ranks disagreeing on the iteration are caught before anything is written
         save(state, sync_dir, 30 + rank, {})
         mismatch = "saved"

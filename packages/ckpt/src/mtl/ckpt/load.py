@@ -13,6 +13,7 @@ reads the box alone.
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -37,9 +38,8 @@ def _overlap(a_off: list, a_shape: list, b_off: tuple, b_shape: tuple) -> tuple 
     return tuple(bounds)
 
 
-def _read_verified_shard(array: Any, key: str, shard: dict[str, Any]) -> np.ndarray:
-    """One whole stored shard, checked against its sha256 from metadata.json."""
-    data = storage.read_region(array, tuple(shard["offset"]), tuple(shard["shape"]), key)
+def _verified_shard(key: str, shard: dict[str, Any], data: np.ndarray) -> np.ndarray:
+    """A whole stored shard as read, checked against its sha256 from metadata.json."""
     if storage.checksum(data) != shard["sha256"]:
         raise CheckpointError(
             f"tensor '{key}' shard at offset {shard['offset']} shape {shard['shape']} fails its "
@@ -48,34 +48,61 @@ def _read_verified_shard(array: Any, key: str, shard: dict[str, Any]) -> np.ndar
     return data
 
 
-def _read_box_verified(array: Any, key: str, entry: dict[str, Any], offset: tuple, shape: tuple,
-                       verified: dict[tuple, np.ndarray]) -> np.ndarray:
-    """The box ``offset``/``shape`` cut out of every verified stored shard it overlaps.
-    ``verified`` caches the shards already read for this key (several boxes of one key, as
-    the pieces of a flat range, read and check each stored shard once)."""
-    out = np.empty(shape, dtype=np.dtype(entry["storage_dtype"]))
-    if not shape:  # a 0-d tensor is one shard
-        out[()] = _read_verified_shard(array, key, entry["shards"][0])
+def _shards_needed(entry: dict[str, Any], targets: list[ShardedTensor]) -> list[dict[str, Any]]:
+    """The stored shards that any of this rank's boxes of one key overlaps."""
+    if not entry["global_shape"]:  # a 0-d tensor is one shard
+        return entry["shards"][:1]
+    return [
+        shard for shard in entry["shards"]
+        if any(_overlap(shard["offset"], shard["shape"], t.global_offset, t.local_shape) for t in targets)
+    ]
+
+
+class _KeyReads:
+    """One key's stored shards: each read started up front, then checked once on a worker
+    thread (hashlib releases the GIL) while the caller copies the previous key. Several boxes
+    of one key, as the pieces of a flat range, share the checked shards."""
+
+    def __init__(self, array: Any, key: str, entry: dict[str, Any], targets: list[ShardedTensor],
+                 workers: ThreadPoolExecutor):
+        self.key, self.entry = key, entry
+        self.checked = {}
+        for shard in _shards_needed(entry, targets):
+            offset, shape = tuple(shard["offset"]), tuple(shard["shape"])
+            read = storage.start_read(array, offset, shape, key)
+            self.checked[offset] = workers.submit(
+                lambda shard=shard, read=read, offset=offset, shape=shape:
+                _verified_shard(key, shard, storage.finish_read(read, offset, shape, key))
+            )
+
+    def shard(self, shard: dict[str, Any]) -> np.ndarray:
+        return self.checked[tuple(shard["offset"])].result()
+
+    def box(self, offset: tuple, shape: tuple) -> np.ndarray:
+        """The box ``offset``/``shape`` cut out of every verified stored shard it overlaps."""
+        out = np.empty(shape, dtype=np.dtype(self.entry["storage_dtype"]))
+        if not shape:
+            out[()] = self.shard(self.entry["shards"][0])
+            return out
+        for shard in self.entry["shards"]:  # the box is one whole stored shard: no copy
+            if tuple(shard["offset"]) == tuple(offset) and tuple(shard["shape"]) == tuple(shape):
+                return self.shard(shard)
+        filled = 0
+        for shard in self.entry["shards"]:
+            bounds = _overlap(shard["offset"], shard["shape"], offset, shape)
+            if bounds is None:
+                continue
+            data = self.shard(shard)
+            src = tuple(slice(lo - so, hi - so) for (lo, hi), so in zip(bounds, shard["offset"]))
+            dst = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(bounds, offset))
+            out[dst] = data[src]
+            filled += int(np.prod([hi - lo for lo, hi in bounds]))
+        if filled != out.size:
+            raise CheckpointError(
+                f"tensor '{self.key}': the stored shards cover {filled} of the {out.size} elements asked for at "
+                f"offset {offset}; metadata.json is inconsistent — the checkpoint is corrupt"
+            )
         return out
-    filled = 0
-    for shard in entry["shards"]:
-        bounds = _overlap(shard["offset"], shard["shape"], offset, shape)
-        if bounds is None:
-            continue
-        shard_id = tuple(shard["offset"])
-        if shard_id not in verified:
-            verified[shard_id] = _read_verified_shard(array, key, shard)
-        data = verified[shard_id]
-        src = tuple(slice(lo - so, hi - so) for (lo, hi), so in zip(bounds, shard["offset"]))
-        dst = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(bounds, offset))
-        out[dst] = data[src]
-        filled += int(np.prod([hi - lo for lo, hi in bounds]))
-    if filled != out.size:
-        raise CheckpointError(
-            f"tensor '{key}': the stored shards cover {filled} of the {out.size} elements asked for at "
-            f"offset {offset}; metadata.json is inconsistent — the checkpoint is corrupt"
-        )
-    return out
 
 
 def _check_fits(key: str, entry: dict[str, Any], target: ShardedTensor, ckpt_path: str) -> None:
@@ -123,18 +150,27 @@ def load(
     for target in wanted:
         if target.data.numel() > 0:  # an empty box (a rank holding only padding) reads nothing
             by_key.setdefault(target.key, []).append(target)
-    for key, targets in by_key.items():
-        entry = stored[key]
-        array = storage.open_array(os.path.join(ckpt_path, entry["path"]), key)
-        verified: dict[tuple, np.ndarray] = {}  # this key's stored shards, read and checked once
-        for target in targets:
-            if verify:
-                words = _read_box_verified(array, key, entry, target.global_offset, target.local_shape, verified)
-            else:
-                words = storage.read_region(array, target.global_offset, target.local_shape, key)
-            loaded = storage.from_storage_array(words, entry["dtype"])  # [local_shape], stored dtype
-            with torch.no_grad():
-                target.data.copy_(loaded.to(target.data.dtype))
+    # Reads of the next key run on tensorstore's threads, and its checksums on worker threads,
+    # while this key's boxes are copied into the targets.
+    keys = list(by_key)
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="mtl-ckpt-verify") as workers:
+
+        def open_key(key: str):
+            entry = stored[key]
+            array = storage.open_array(os.path.join(ckpt_path, entry["path"]), key)
+            return _KeyReads(array, key, entry, by_key[key], workers) if verify else array
+
+        upcoming = open_key(keys[0]) if keys else None
+        for i, key in enumerate(keys):
+            current, upcoming = upcoming, open_key(keys[i + 1]) if i + 1 < len(keys) else None
+            for target in by_key[key]:
+                if verify:
+                    words = current.box(target.global_offset, target.local_shape)
+                else:
+                    words = storage.read_region(current, target.global_offset, target.local_shape, key)
+                loaded = storage.from_storage_array(words, stored[key]["dtype"])  # [local_shape], stored dtype
+                with torch.no_grad():
+                    target.data.copy_(loaded.to(target.data.dtype))
 
     state = merge_common(template_state, manifest["common"], strict)
     return state, manifest["metadata"]

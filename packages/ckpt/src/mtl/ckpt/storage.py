@@ -74,7 +74,8 @@ def to_storage_array(tensor: torch.Tensor) -> np.ndarray:
 def from_storage_array(array: np.ndarray, logical: str) -> torch.Tensor:
     """The inverse of ``to_storage_array``: numpy words -> tensor of the logical dtype."""
     dtype = dtype_from_name(logical)
-    array = np.array(array, order="C", copy=True)  # keeps 0-d arrays 0-d, unlike ascontiguousarray
+    if not (array.flags.c_contiguous and array.flags.writeable):  # torch wants writable memory
+        array = np.array(array, order="C", copy=True)  # keeps 0-d arrays 0-d, unlike ascontiguousarray
     if dtype in _AS_WORDS:
         word_dtype, _ = _AS_WORDS[dtype]
         return torch.from_numpy(array.view(np.int16 if word_dtype == torch.int16 else np.uint8)).view(dtype)
@@ -82,8 +83,10 @@ def from_storage_array(array: np.ndarray, logical: str) -> torch.Tensor:
 
 
 def checksum(array: np.ndarray) -> str:
-    """sha256 of the array's stored bytes (C order, little-endian)."""
-    return hashlib.sha256(np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False).tobytes()).hexdigest()
+    """sha256 of the array's stored bytes (C order, little-endian), hashed in place: no
+    ``tobytes`` copy, and hashlib releases the GIL, so it runs beside tensorstore's I/O threads."""
+    array = np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False)
+    return hashlib.sha256(array.reshape(-1).view(np.uint8).data).hexdigest()
 
 
 def array_dirname(key: str) -> str:
@@ -125,23 +128,48 @@ def _region(offset: tuple, shape: tuple) -> tuple:
     return tuple(slice(o, o + s) for o, s in zip(offset, shape))
 
 
+def start_write(array: Any, offset: tuple, data: np.ndarray) -> Any:
+    """Begin writing ``data`` at ``offset``; returns the future (``.result()`` waits for the
+    commit to the file). tensorstore references ``data`` rather than copying it, so the caller
+    keeps it unchanged until the future is done; many writes may be in flight at once."""
+    target = array if data.ndim == 0 else array[_region(offset, data.shape)]
+    return target.write(data, can_reference_source_data_indefinitely=True)
+
+
+def finish_write(future: Any) -> None:
+    """Wait until a write from ``start_write`` is in the file."""
+    future.result()
+
+
 def write_region(array: Any, offset: tuple, data: np.ndarray) -> None:
-    if data.ndim == 0:
-        array.write(data).result()
-    else:
-        array[_region(offset, data.shape)].write(data).result()
+    finish_write(start_write(array, offset, data))
+
+
+def _read_failed(key: str, offset: tuple, shape: tuple, exc: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"reading tensor '{key}' offset {offset} shape {shape} failed ({exc}); the array data is "
+        "corrupt or missing — load another iteration"
+    )
+
+
+def start_read(array: Any, offset: tuple, shape: tuple, key: str) -> Any:
+    """Begin reading the box ``offset``/``shape``; ``finish_read`` waits for it, so reads of
+    the next tensor can run on tensorstore's threads while this one is checked."""
+    try:
+        return array.read() if not shape else array[_region(offset, shape)].read()
+    except Exception as exc:  # a box outside the stored array fails before any I/O
+        raise _read_failed(key, offset, shape, exc) from exc
+
+
+def finish_read(future: Any, offset: tuple, shape: tuple, key: str) -> np.ndarray:
+    try:
+        return np.asarray(future.result())
+    except Exception as exc:
+        raise _read_failed(key, offset, shape, exc) from exc
 
 
 def read_region(array: Any, offset: tuple, shape: tuple, key: str) -> np.ndarray:
-    try:
-        if not shape:
-            return np.asarray(array.read().result())
-        return array[_region(offset, shape)].read().result()
-    except Exception as exc:
-        raise CheckpointError(
-            f"reading tensor '{key}' offset {offset} shape {shape} failed ({exc}); the array data is "
-            "corrupt or missing — load another iteration"
-        ) from exc
+    return finish_read(start_read(array, offset, shape, key), offset, shape, key)
 
 
 def is_array(path: str) -> bool:

@@ -17,7 +17,6 @@ go to ``iter_N.partial``, renamed to ``iter_N`` (and ``latest`` updated) at the 
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import itertools
 import json
@@ -25,20 +24,12 @@ import os
 import shutil
 from typing import Any
 
-import numpy as np
 import torch
 
 from mtl.ckpt import __version__, directory, storage
 from mtl.core.errors import CheckpointError
 
 __all__ = ["StreamingCheckpointWriter"]
-
-
-def sha256(array: np.ndarray) -> str:
-    """``storage.checksum``'s digest (the little-endian C-order bytes), hashed in place
-    rather than through a ``tobytes`` copy."""
-    array = np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False)
-    return hashlib.sha256(array.reshape(-1).view(np.uint8).data).hexdigest()
 
 
 class StreamingCheckpointWriter:
@@ -91,17 +82,18 @@ class StreamingCheckpointWriter:
         storage.create_array(path, shape, chunk, logical)
         array = storage.open_array(path, key)
         data = storage.to_storage_array(tensor.detach().cpu())
-        shards = []
-        # one shard per chunk of the grid (the last one along a dim may be partial)
+        shards, pending = [], []
+        # one shard per chunk of the grid (the last one along a dim may be partial); the writes
+        # run on tensorstore's threads while this one hashes the same boxes
+
         starts = [range(0, n, c) if n else [0] for n, c in zip(shape, chunk)]
         for offset in itertools.product(*starts):
             box_shape = tuple(min(c, n - o) for o, c, n in zip(offset, chunk, shape))
             box = data[tuple(slice(o, o + s) for o, s in zip(offset, box_shape))]
-            storage.write_region(array, offset, box)
-            digest = sha256(box)
-            if sha256(storage.read_region(array, offset, box_shape, key)) != digest:
-                raise CheckpointError(f"tensor '{key}' offset {offset}: data read back differs from data written")
-            shards.append({"offset": list(offset), "shape": list(box_shape), "sha256": digest})
+            pending.append(storage.start_write(array, offset, box))
+            shards.append({"offset": list(offset), "shape": list(box_shape), "sha256": storage.checksum(box)})
+        for future in pending:
+            storage.finish_write(future)
         self.tensors[key] = {
             "path": relpath,
             "global_shape": list(shape),

@@ -26,7 +26,7 @@ import torch
 from mtl.ckpt import latest_iteration, read_metadata, storage
 from mtl.ckpt.directory import iteration_dir, read_manifest
 from mtl.ckpt.storage import dtype_from_name
-from mtl.ckpt.stream_writer import StreamingCheckpointWriter, sha256
+from mtl.ckpt.stream_writer import StreamingCheckpointWriter
 from mtl.core.config import RunConfig
 from mtl.core.config_io import config_from_dict
 from mtl.core.errors import CheckpointError, ConfigError
@@ -248,7 +248,7 @@ class CheckpointSource:
         words = storage.read_region(array, (0,) * len(shape), shape, key)
         for shard in entry["shards"]:
             box = words[tuple(slice(o, o + n) for o, n in zip(shard["offset"], shard["shape"]))]
-            if sha256(box) != shard["sha256"]:
+            if storage.checksum(box) != shard["sha256"]:
                 raise CheckpointError(
                     f"{self.dir}: tensor '{key}' shard at offset {shard['offset']} fails its checksum; the "
                     "checkpoint is corrupt — export another iteration"
