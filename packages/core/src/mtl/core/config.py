@@ -22,6 +22,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.lr_schedule": ("constant", "linear", "cosine", "wsd"),
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.recompute": ("none", "selective", "full"),
+    "logging.progress": ("auto", "bar", "lines", "none"),
     "train.fp8": ("none", "current", "delayed", "rowwise", "blockwise"),
     "train.fp8_format": ("e4m3", "hybrid"),
     "train.fp8_amax_compute_algo": ("max", "most_recent"),
@@ -131,6 +132,8 @@ class TrainConfig:
     recompute: str = "none"
     compile: bool = False
     device: str = "auto"  # auto | cpu | cuda
+    # a NaN/Inf loss or gradient norm stops the run; N > 0 skips (no update) up to N such steps
+    skip_bad_steps: int = 0
     num_micro_batches: int | None = None  # derived: global / (micro * dp)
 
 
@@ -147,6 +150,10 @@ class CkptConfig:
     # weights to start from (any layout, or `mtl convert` output) when ckpt.load has no checkpoint yet
     finetune_from: str | None = None
     keep_last: int = 0  # keep the newest N committed checkpoints in ckpt.save (0: keep all)
+    # true: when ckpt.save holds this run's checkpoints, resume from its latest (Megatron's
+    # --load = --save); false (mtl train --fresh): start over, only into an empty ckpt.save
+    resume: bool = True
+    interval_minutes: float = 0.0  # also save when this many minutes passed since the last save (0: off)
 
 
 @dataclass
@@ -158,6 +165,9 @@ class LoggingConfig:
     # Dense bf16 matmul peak of one GPU in TFLOP/s, for MFU (0: MFU not reported).
     # 778 is what torch measures on the H100 machines (see benchmarks/RESULTS.md).
     peak_tflops: float = 0.0
+    # auto: a live progress display on an interactive terminal, plain lines otherwise;
+    # bar | lines | none force one
+    progress: str = "auto"
 
 
 SECTIONS: dict[str, type] = {

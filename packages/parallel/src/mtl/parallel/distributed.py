@@ -67,11 +67,34 @@ def init_distributed(device: str = "auto", timeout_minutes: float = 10.0) -> tup
     if world_size > 1 and not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:
             _rendezvous_from_slurm()
+        timeout = datetime.timedelta(minutes=timeout_minutes)
         dist.init_process_group(
             backend="nccl" if use_cuda else "gloo",
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
+            timeout=timeout,
             device_id=dev if use_cuda else None,
+            store=attempt_store(rank, world_size, timeout),
         )
     return rank, world_size, dev
+
+
+def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta):
+    """Under torchrun, the rendezvous store of this restart attempt; None elsewhere (env://).
+
+    torchrun's agent keeps hosting one TCPStore across the restarts ``--max-restarts``
+    allows, and the workers of a later attempt would read the first attempt's keys (the dead
+    workers' addresses): gloo then fails with ``connectFullMesh ... Connection refused``, or
+    waits forever. Prefixing every key with ``TORCHELASTIC_RESTART_COUNT`` gives each attempt
+    its own namespace in the same store."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+    # the agent hosts the store (torchrun's default): every worker is a client; otherwise
+    # rank 0 hosts it, a new one each attempt
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+        is_master=not agent_store and rank == 0, timeout=timeout, wait_for_workers=False,
+    )
+    return dist.PrefixStore(f"mtl/attempt_{attempt}", store)

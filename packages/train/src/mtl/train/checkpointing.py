@@ -14,12 +14,13 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from mtl.ckpt import latest_iteration, read_metadata
-from mtl.ckpt.directory import LATEST_FILE
+from mtl.ckpt.directory import LATEST_FILE, committed_iterations
 from mtl.ckpt.flat_range import flat_range_shards
 from mtl.ckpt.sharded import ShardedTensor
 from mtl.core.config import RunConfig
@@ -39,6 +40,11 @@ RESUMABLE_CHANGES = ("train.iters", "train.exit_interval", "train.eval_interval"
 # Derived from the layout (the padding of the vocabulary for tp): never stored, never compared.
 LAYOUT_DERIVED = ("model.padded_vocab_size", "model.make_vocab_size_divisible_by")
 RNG_LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "distributed_optimizer")
+# The data a run trains on: a ckpt.save directory holding another value belongs to another run.
+RUN_DATA_KEYS = ("data.paths", "data.split", "data.tokenizer", "data.tokenizer_model", "data.dataset",
+                 "data.mock_num_samples")
+# The schedule's length: may change on resume (one warning line names it).
+SCHEDULE_KEYS = ("train.iters", "train.lr_decay_iters")
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -193,14 +199,30 @@ def model_differences(saved: dict, config: RunConfig) -> list[str]:
             if d.startswith("model.") and not d.startswith("model.backend")]
 
 
-def check_compatible(saved: dict, config: RunConfig, directory: str) -> None:
-    """Name every difference between the saved and the current config; refuse the ones that
-    change the model. Parallel layout changes are fine: every state reshards."""
+def run_differences(saved: dict, config: RunConfig) -> list[str]:
+    """What makes a saved config another run: a different model (``model_differences``) or
+    different data (``RUN_DATA_KEYS``). A ``ckpt.save`` directory holds one run."""
     saved_cfg = config_from_dict(saved)
     saved_cfg.resolved = True
+    data = [d for d in config_diff(saved_cfg, config) if d.split(":")[0] in RUN_DATA_KEYS]
+    return model_differences(saved, config) + data
+
+
+def check_compatible(saved: dict, config: RunConfig, directory: str, iteration: int = 0) -> None:
+    """Name every difference between the saved and the current config; refuse the ones that
+    change the model. Parallel layout changes are fine: every state reshards. A changed
+    schedule length is one warning line."""
+    saved_cfg = config_from_dict(saved)
+    saved_cfg.resolved = True
+    schedule = []
     for line in config_diff(saved_cfg, config, ignore=LAYOUT_DERIVED):
-        if not line.startswith(RESUMABLE_CHANGES) and not line.startswith("model."):
+        if line.split(":")[0] in SCHEDULE_KEYS:
+            schedule.append(line)
+        elif not line.startswith(RESUMABLE_CHANGES) and not line.startswith("model."):
             log.warning("resuming %s with a changed setting: %s", directory, line)
+    if schedule and iteration:
+        log.warning("the schedule changed since iteration %d was saved (%s): the learning rate follows the new "
+                    "length from here on", iteration, "; ".join(schedule))
     fatal = model_differences(saved, config)
     if fatal:
         raise CheckpointError(
@@ -213,39 +235,71 @@ def has_checkpoint(directory: str | None) -> bool:
     return bool(directory) and os.path.isfile(os.path.join(directory, LATEST_FILE))
 
 
-def starting_checkpoint(config: RunConfig) -> tuple[str | None, bool]:
-    """(directory to start from, whether to resume optimizer/iteration/schedule from it).
+def holds_checkpoints(directory: str | None) -> bool:
+    """A ``latest`` file or any committed ``iter_*`` directory (what a fresh start must not mix with)."""
+    if not directory or not os.path.isdir(directory):
+        return False
+    return has_checkpoint(directory) or bool(committed_iterations(directory))
 
-    ``ckpt.load`` holding a checkpoint resumes it (weights only with ``ckpt.load_optimizer =
-    false``); otherwise ``ckpt.finetune_from`` gives the starting weights; otherwise none."""
+
+@dataclass(frozen=True)
+class Start:
+    """Where a run's state comes from: ``directory`` (None: fresh weights), the config key
+    that named it, and whether the optimizer, iteration and data position come too."""
+
+    directory: str | None
+    key: str | None
+    full_resume: bool
+
+
+def starting_checkpoint(config: RunConfig) -> Start:
+    """Where this run starts from, in order:
+
+    1. ``ckpt.save`` holding a checkpoint, with ``ckpt.resume`` (the default): this run's own
+       latest save, in full (what a rerun of the same command, or torchrun's restart, needs);
+    2. ``ckpt.load`` holding a checkpoint: resumed (weights only with ``ckpt.load_optimizer =
+       false``);
+    3. ``ckpt.finetune_from``: its weights, iteration 0;
+    4. nothing: fresh weights."""
     c = config.ckpt
+    if c.resume and has_checkpoint(c.save):
+        return Start(c.save, "ckpt.save", True)
     if c.load and (has_checkpoint(c.load) or not c.finetune_from):
-        if c.finetune_from:
-            log.info("ckpt.load %s holds a checkpoint: resuming it (ckpt.finetune_from is for the first start)", c.load)
-        return c.load, c.load_optimizer
+        return Start(c.load, "ckpt.load", c.load_optimizer)
     if c.finetune_from:
-        return c.finetune_from, False
-    return None, False
+        return Start(c.finetune_from, "ckpt.finetune_from", False)
+    return Start(None, None, False)
 
 
 def check_checkpoint_dirs(config: RunConfig) -> None:
-    """Before any compute: the checkpoint a run starts from and the directory it saves into
-    must hold this model (another run's directory is refused with the differences named)."""
+    """Before any compute: the checkpoint a run starts from must hold this model, and the
+    directory it saves into only this run (same model and data): another run's directory is
+    refused with the differences named. ``ckpt.resume = false`` needs an empty ``ckpt.save``."""
     c = config.ckpt
-    source, _ = starting_checkpoint(config)
-    for key, directory in (("ckpt.load" if source == c.load else "ckpt.finetune_from", source), ("ckpt.save", c.save)):
-        if not has_checkpoint(directory):
-            if directory is not None and directory == source:
-                latest_iteration(directory)  # raises, naming what the directory holds
-            continue
-        saved = read_metadata(directory)
-        differences = model_differences(saved["config"], config)
+    if not c.resume and holds_checkpoints(c.save):
+        latest = f"latest iteration {latest_iteration(c.save)}" if has_checkpoint(c.save) else "no 'latest'"
+        raise CheckpointError(
+            f"ckpt.save = {c.save} already holds checkpoints ({latest}); ckpt.resume = false (mtl train --fresh) "
+            f"starts over only into an empty directory: remove it, or set ckpt.save to a new directory "
+            f"(without --fresh the run resumes from it)"
+        )
+    start = starting_checkpoint(config)
+    if start.directory is not None and start.key != "ckpt.save" and not has_checkpoint(start.directory):
+        latest_iteration(start.directory)  # raises, naming what the directory holds
+    if start.directory is not None and start.key != "ckpt.save":
+        differences = model_differences(read_metadata(start.directory)["config"], config)
         if differences:
             raise CheckpointError(
-                f"{key} = {directory} holds checkpoints of a different model:\n  " + "\n  ".join(differences)
-                + ("\nsave into another directory (ckpt.save), or remove that one" if key == "ckpt.save"
-                   else "\nuse the same model settings as the checkpoint")
-            )
+                f"{start.key} = {start.directory} holds checkpoints of a different model:\n  "
+                + "\n  ".join(differences) + "\nuse the same model settings as the checkpoint")
+    if has_checkpoint(c.save):
+        differences = run_differences(read_metadata(c.save)["config"], config)
+        if differences:
+            raise CheckpointError(
+                f"ckpt.save = {c.save} holds checkpoints of another run (a different model or data):\n  "
+                + "\n  ".join(differences)
+                + "\nsave into another directory (ckpt.save = NEW_DIR; ckpt.load = "
+                f"{c.save} starts it from these weights), or remove {c.save}")
 
 
 def _same_rng_layout(metadata: dict, config: RunConfig, topology: Topology, chunks: list) -> bool:
@@ -271,7 +325,7 @@ def load_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimiz
 
     iteration = latest_iteration(directory)
     metadata = read_metadata(directory, iteration)
-    check_compatible(metadata["config"], config, directory)
+    check_compatible(metadata["config"], config, directory, iteration)
     if metadata.get("model_only"):  # a converted checkpoint: weights only, training starts anew
         load_optimizer = False
     template: dict[str, Any] = dict(model_sharded_state(chunks, topology))

@@ -1,9 +1,10 @@
-"""The training loop: steps, logging, evaluation, checkpoints, SIGTERM and exit interval."""
+"""The training loop: steps, logging and progress, evaluation, checkpoints (every
+``ckpt.interval`` steps or ``ckpt.interval_minutes``, at the end, at ``train.exit_interval``, on
+SIGTERM/SIGINT), resume by default, and NaN/Inf steps stopped (or skipped) with their origin."""
 
 from __future__ import annotations
 
 import math
-import signal
 import time
 from dataclasses import dataclass, field
 
@@ -15,12 +16,17 @@ from mtl.core.errors import ConfigError
 from mtl.core.log import get_logger
 from mtl.core.plugins import registry
 from mtl.train.batches import MicroBatches
-from mtl.ckpt import prune_checkpoints
-from mtl.train.checkpointing import checkpoint_format, load_checkpoint, save_checkpoint, starting_checkpoint
+from mtl.ckpt import latest_iteration, prune_checkpoints
+from mtl.ckpt.directory import iteration_dir
+from mtl.train.checkpointing import (checkpoint_format, has_checkpoint, load_checkpoint, save_checkpoint,
+                                     starting_checkpoint)
+from mtl.train.health import LossWatch, NonFiniteError
 from mtl.train.lr_schedule import learning_rate
-from mtl.train.metrics import progress_line, throughput
+from mtl.train.metrics import throughput
 from mtl.train.precision import LossScaler
+from mtl.train.progress import ProgressDisplay
 from mtl.train.setup import Run, setup
+from mtl.train.signals import StopRequest
 from mtl.train.step import eval_step, train_step
 
 log = get_logger(__name__)
@@ -33,38 +39,9 @@ class TrainResult:
     eval_losses: dict[int, float] = field(default_factory=dict)
     final_iteration: int = 0
     stopped_by: str = "iters"  # iters | exit_interval | signal
-    skipped_steps: int = 0
+    skipped_steps: int = 0  # fp16 overflow steps the loss scaler skipped
+    bad_steps: int = 0  # NaN/Inf steps skipped under train.skip_bad_steps
     run: Run | None = None  # the model and optimizer as they ended, for inspection and tests
-
-
-class _StopSignal:
-    """Turns SIGTERM (a scheduler's preemption notice) into a flag the loop checks each step."""
-
-    def __init__(self):
-        self.received = False
-        self._previous = None
-
-    def __enter__(self):
-        try:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:  # not the main thread: no handler, no flag
-            self._previous = None
-        return self
-
-    def _handle(self, signum, frame):
-        self.received = True
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-
-    def any_rank(self, device) -> bool:
-        """True if any rank got the signal, so all ranks stop at the same step."""
-        if not dist.is_initialized():
-            return self.received
-        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
-        dist.all_reduce(flag)
-        return bool(flag.item() > 0)
 
 
 def _writes_metrics(run: Run) -> bool:
@@ -77,27 +54,79 @@ def _chunk_iterators(micro_batches: list, num_chunks: int):
     return [iter(micro_batches) for _ in range(num_chunks)]
 
 
+@dataclass
+class _Agreed:
+    """What every rank decides together after a step (one all-reduce)."""
+
+    stop: bool = False  # some rank got SIGTERM/SIGINT
+    origin: int | None = None  # lowest rank whose own loss was NaN/Inf
+    loss_bad: bool = False
+    grad_bad: bool = False
+    time_due: bool = False  # rank 0's clock says ckpt.interval_minutes passed
+
+    @property
+    def bad(self) -> bool:
+        return self.loss_bad or self.grad_bad
+
+
+def _agree(run: Run, stop: bool, origin: bool, loss_bad: bool, grad_bad: bool, time_due: bool) -> _Agreed:
+    t = run.topology
+    values = [float(stop), float(t.world_size - t.rank) if origin else 0.0, float(loss_bad), float(grad_bad),
+              float(time_due and t.rank == 0)]
+    if dist.is_initialized():
+        flags = torch.tensor(values, dtype=torch.float64, device=run.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        values = flags.tolist()
+    return _Agreed(stop=values[0] > 0, origin=int(t.world_size - values[1]) if values[1] > 0 else None,
+                   loss_bad=values[2] > 0, grad_bad=values[3] > 0, time_due=values[4] > 0)
+
+
+def _last_good_checkpoint(cfg: RunConfig, start_dir: str | None) -> str:
+    for directory in (cfg.ckpt.save, start_dir):
+        if has_checkpoint(directory):
+            return iteration_dir(directory, latest_iteration(directory))
+    return "none (no checkpoint was saved yet)"
+
+
+def _bad_step_message(agreed: _Agreed, grad_norm: float, iteration: int) -> str:
+    """The same words on every rank (a non-last pipeline stage has no loss of its own)."""
+    what = (["loss"] if agreed.loss_bad else []) + ([f"gradient norm ({grad_norm})"] if agreed.grad_bad else [])
+    where = (f"first seen in rank {agreed.origin}'s loss" if agreed.origin is not None
+             else "the gradient norm is global: every rank sees it")
+    return f"non-finite {' and '.join(what)} at step {iteration} ({where})"
+
+
 def train(config: RunConfig, progress: bool = True) -> TrainResult:
     if config.ckpt.async_save and config.ckpt.format != "zarr":
         raise ConfigError(f"ckpt.async_save = true is available for ckpt.format = 'zarr' only, "
                           f"not '{config.ckpt.format}'; set ckpt.async_save = false")
+    if config.ckpt.interval_minutes < 0:
+        raise ConfigError(f"ckpt.interval_minutes = {config.ckpt.interval_minutes} must not be negative (0: off)")
     if config.ckpt.save or config.ckpt.load:
         checkpoint_format(config)  # an unknown format fails here, before any work
     run = setup(config)
     cfg, t = run.config, run.config.train
+    rank0 = run.topology.rank == 0
     scaler = LossScaler.for_config(t)
     iteration, consumed = 0, 0
-    source, full_resume = starting_checkpoint(cfg)
-    if source is not None:
-        metadata = load_checkpoint(cfg, run.topology, run.chunks, run.optimizer, source, load_optimizer=full_resume)
-        if full_resume and not metadata.get("model_only"):
+    start = starting_checkpoint(cfg)
+    if start.directory is not None:
+        metadata = load_checkpoint(cfg, run.topology, run.chunks, run.optimizer, start.directory,
+                                   load_optimizer=start.full_resume)
+        if start.full_resume and not metadata.get("model_only"):
             iteration, consumed = metadata["iteration"], metadata["consumed_samples"]
             if scaler.dynamic and "loss_scaler" in metadata:
                 scaler.load_state_dict(metadata["loss_scaler"])
-            log.info("resumed from %s at iteration %d", source, iteration)
-        else:
+            if rank0:
+                why = (" (ckpt.save holds this run's checkpoints; --fresh starts over in an empty directory)"
+                       if start.key == "ckpt.save" else "")
+                log.info("resuming at iteration %d from %s%s", iteration, iteration_dir(start.directory, iteration), why)
+        elif rank0:
             log.info("weights from %s (its iteration %d); optimizer, schedule and data start at iteration 0",
-                     source, metadata["iteration"])
+                     start.directory, metadata["iteration"])
+    if iteration >= t.iters and rank0:
+        log.info("iteration %d already reaches train.iters = %d: nothing to train (raise train.iters to go on)",
+                 iteration, t.iters)
 
     writer = _writes_metrics(run)
     callbacks = []
@@ -107,60 +136,109 @@ def train(config: RunConfig, progress: bool = True) -> TrainResult:
 
     train_batches = MicroBatches(run.datasets["train"], cfg, run.topology, run.device, consumed)
     result = TrainResult(cfg)
+    display = ProgressDisplay(cfg, iteration, enabled=progress and writer, on_gpu=run.device.type == "cuda")
     saver = None
     if cfg.ckpt.async_save and cfg.ckpt.save:
         from mtl.ckpt import AsyncSaver
 
         saver = AsyncSaver()
 
-    def checkpoint(step: int) -> None:
-        if cfg.ckpt.save:
-            save_checkpoint(cfg, run.topology, run.chunks, run.optimizer, iteration=step,
-                            consumed_samples=consumed, scaler_state=scaler.state_dict(), saver=saver)
-            if cfg.ckpt.keep_last and run.topology.rank == 0:
+    def say(text: str) -> None:
+        if display.mode != "none":
+            display.message(text)
+        elif writer:
+            log.info("%s", text)
+
+    def committed(directory: str | None) -> None:
+        if directory is not None:
+            say(f"saved checkpoint {directory}")
+            if cfg.ckpt.keep_last and rank0:  # the save has just committed
                 prune_checkpoints(cfg.ckpt.save, cfg.ckpt.keep_last)
 
-    last_saved = iteration
-    with _StopSignal() as stop:
-        while iteration < t.iters:
-            start = time.perf_counter()
-            lr = learning_rate(t, iteration)
-            micro = train_batches.take(t.num_micro_batches)
-            step = train_step(cfg, run.topology, run.chunks, run.optimizer,
-                              _chunk_iterators(micro, len(run.chunks)), scaler, lr, run.device)
-            if run.device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - start
-            iteration += 1
-            consumed += t.global_batch_size
-            result.losses[iteration] = step.loss
-            if writer and (iteration % cfg.logging.interval == 0 or iteration == t.iters):
-                if not math.isfinite(step.loss) and t.precision != "fp16":
-                    log.warning("loss is %s at step %d", step.loss, iteration)
-                metrics = {"loss": step.loss, "lr": lr, "grad_norm": step.grad_norm,
-                           "skipped_steps": scaler.skipped_steps, "loss_scale": scaler.scale,
-                           **throughput(cfg, elapsed)}
-                for cb in callbacks:
-                    cb.on_step(iteration, metrics)
-                if progress:
-                    print(progress_line(iteration, t.iters, metrics), flush=True)
-            if t.eval_interval and iteration % t.eval_interval == 0:
-                result.eval_losses[iteration] = evaluate(run, iteration, callbacks, progress and writer)
-            if cfg.ckpt.interval and iteration % cfg.ckpt.interval == 0:
+    def checkpoint(step: int) -> None:
+        if not cfg.ckpt.save:
+            return
+        if saver is not None:
+            committed(saver.wait())
+        save_checkpoint(cfg, run.topology, run.chunks, run.optimizer, iteration=step,
+                        consumed_samples=consumed, scaler_state=scaler.state_dict(), saver=saver)
+        if saver is None:
+            committed(iteration_dir(cfg.ckpt.save, step))
+        else:
+            say(f"saving checkpoint {iteration_dir(cfg.ckpt.save, step)} in the background")
+
+    watch = LossWatch(run.chunks, run.topology.is_last_stage, run.device)
+    last_saved, last_save_time = iteration, time.monotonic()
+    try:
+        with StopRequest(announce=rank0) as stop:
+            while iteration < t.iters:
+                began = time.perf_counter()
+                lr = learning_rate(t, iteration)
+                micro = train_batches.take(t.num_micro_batches)
+                watch.reset()
+                step = train_step(cfg, run.topology, run.chunks, run.optimizer,
+                                  _chunk_iterators(micro, len(run.chunks)), scaler, lr, run.device)
+                if run.device.type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - began
+                iteration += 1
+                consumed += t.global_batch_size
+                result.losses[iteration] = step.loss
+                overflow = scaler.dynamic and step.skipped  # fp16: the loss scaler's business
+                interval_due = (cfg.ckpt.interval_minutes > 0
+                                and time.monotonic() - last_save_time >= 60 * cfg.ckpt.interval_minutes)
+                agreed = _agree(run, stop.received is not None,
+                                origin=not overflow and watch.fired(),
+                                loss_bad=not overflow and run.topology.is_last_stage and not math.isfinite(step.loss),
+                                grad_bad=not overflow and not math.isfinite(step.grad_norm),
+                                time_due=interval_due)
+                if agreed.bad:
+                    result.bad_steps += 1
+                    message = _bad_step_message(agreed, step.grad_norm, iteration)
+                    if result.bad_steps > t.skip_bad_steps:
+                        allowed = (f"more than train.skip_bad_steps = {t.skip_bad_steps}" if t.skip_bad_steps
+                                   else "set train.skip_bad_steps = N to skip up to N such steps")
+                        raise NonFiniteError(
+                            f"{message}; the run stopped without saving ({allowed}). Last good checkpoint: "
+                            f"{_last_good_checkpoint(cfg, start.directory)}")
+                    if rank0:
+                        log.warning("%s: step skipped (%d of at most train.skip_bad_steps = %d)", message,
+                                    result.bad_steps, t.skip_bad_steps)
+                logged = iteration % cfg.logging.interval == 0 or iteration == t.iters
+                if writer:
+                    metrics = {"loss": step.loss, "lr": lr, "grad_norm": step.grad_norm,
+                               "skipped_steps": scaler.skipped_steps, "bad_steps": result.bad_steps,
+                               "loss_scale": scaler.scale, **throughput(cfg, elapsed)}
+                    if logged:
+                        for cb in callbacks:
+                            cb.on_step(iteration, metrics)
+                    display.step(iteration, metrics, logged)
+                if t.eval_interval and iteration % t.eval_interval == 0:
+                    result.eval_losses[iteration] = evaluate(run, iteration, callbacks, say if writer else None)
+                if (cfg.ckpt.interval and iteration % cfg.ckpt.interval == 0) or agreed.time_due:
+                    checkpoint(iteration)
+                    last_saved, last_save_time = iteration, time.monotonic()
+                if agreed.stop:
+                    result.stopped_by = "signal"
+                    break
+                if t.exit_interval and iteration % t.exit_interval == 0:
+                    result.stopped_by = "exit_interval"
+                    break
+            # still under the handlers: a second Ctrl-C during this save aborts it (never committed)
+            if cfg.ckpt.save and cfg.ckpt.save_on_exit and last_saved != iteration:
                 checkpoint(iteration)
-                last_saved = iteration
-            if stop.any_rank(run.device):
-                result.stopped_by = "signal"
-                break
-            if t.exit_interval and iteration % t.exit_interval == 0:
-                result.stopped_by = "exit_interval"
-                break
-    if cfg.ckpt.save and cfg.ckpt.save_on_exit and last_saved != iteration:
-        checkpoint(iteration)
-    if saver is not None:
-        saver.wait()
-        if cfg.ckpt.keep_last and run.topology.rank == 0:  # the last save has just committed
-            prune_checkpoints(cfg.ckpt.save, cfg.ckpt.keep_last)
+            if saver is not None:
+                committed(saver.wait())
+    except BaseException:
+        # an exception in a step (or a second Ctrl-C): save nothing; a save in flight is never
+        # committed, so ckpt.save's 'latest' still names the last complete checkpoint
+        display.close()
+        for cb in callbacks:
+            cb.close()
+        watch.remove()
+        raise
+    display.close()
+    watch.remove()
     for chunk in run.chunks:  # parallel.overlap_param_gather: hand back complete parameters
         chunk.finish_param_sync()
     for cb in callbacks:
@@ -172,7 +250,7 @@ def train(config: RunConfig, progress: bool = True) -> TrainResult:
     return result
 
 
-def evaluate(run: Run, iteration: int, callbacks: list, show: bool) -> float:
+def evaluate(run: Run, iteration: int, callbacks: list, show=None) -> float:
     cfg = run.config
     valid = MicroBatches(run.datasets["valid"], cfg, run.topology, run.device,
                          consumed_samples=0)
@@ -184,6 +262,6 @@ def evaluate(run: Run, iteration: int, callbacks: list, show: bool) -> float:
     metrics = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
     for cb in callbacks:
         cb.on_eval(iteration, metrics)
-    if show:
-        print(f"eval at step {iteration}: loss {loss:.4f} | ppl {metrics['val_ppl']:.2f}", flush=True)
+    if show is not None:
+        show(f"eval at step {iteration}: loss {loss:.4f} | ppl {metrics['val_ppl']:.2f}")
     return loss

@@ -25,14 +25,20 @@ def throughput(config: RunConfig, seconds_per_iteration: float) -> dict[str, flo
     return out
 
 
-def progress_line(step: int, total: int, metrics: dict) -> str:
+def progress_line(step: int, total: int, metrics: dict, on_gpu: bool = False) -> str:
+    """One plain line of the run's state. TFLOP/s per GPU and MFU only ``on_gpu`` (a CPU's
+    rate against a GPU formula means nothing); tokens/s always."""
     parts = [f"step {step:>6}/{total}", f"loss {metrics['loss']:.4f}", f"lr {metrics['lr']:.3e}",
-             f"grad {metrics['grad_norm']:.3f}", f"{metrics['tokens_per_s']:,.0f} tok/s",
-             f"{metrics['tflops_per_gpu']:.2f} TFLOP/s/GPU", f"{metrics['iter_s'] * 1000:.0f} ms/it"]
-    if "mfu" in metrics:
+             f"grad {metrics['grad_norm']:.3f}", f"{metrics['tokens_per_s']:,.0f} tok/s"]
+    if on_gpu:
+        parts.append(f"{metrics['tflops_per_gpu']:.2f} TFLOP/s/GPU")
+    parts.append(f"{metrics['iter_s'] * 1000:.0f} ms/it")
+    if on_gpu and "mfu" in metrics:
         parts.append(f"MFU {100 * metrics['mfu']:.1f}%")
     if "mem_gb" in metrics:
         parts.append(f"{metrics['mem_gb']:.1f} GiB")
     if metrics.get("skipped_steps"):
         parts.append(f"skipped {metrics['skipped_steps']}")
+    if metrics.get("bad_steps"):
+        parts.append(f"bad steps skipped {metrics['bad_steps']}")
     return " | ".join(parts)

@@ -40,8 +40,11 @@ def demo(workdir, overrides, prompt):
     cfg = load_config(str(config_path), [*defaults, *overrides])
     click.secho(f"3/4 training ({cfg.train.iters} iterations); metrics in {cfg.logging.dir}/metrics.jsonl", bold=True)
     result = train(cfg)
-    first, last = result.losses[min(result.losses)], result.losses[max(result.losses)]
-    click.echo(f"    loss {first:.3f} -> {last:.3f}")
+    if result.losses:
+        first, last = result.losses[min(result.losses)], result.losses[max(result.losses)]
+        click.echo(f"    loss {first:.3f} -> {last:.3f}")
+    else:  # a second `mtl demo`: the checkpoint already holds every iteration
+        click.echo(f"    already trained: {cfg.ckpt.save} holds iteration {result.final_iteration}")
     click.secho("4/4 sampling from the checkpoint (temperature 0.7, top-k 20):", bold=True)
     # stay within the trained context (a model with learned positions has no position beyond it)
     max_new_tokens = max(1, min(120, cfg.model.seq_length - len(prompt.encode("utf-8"))))

@@ -1,4 +1,4 @@
-"""``mtl train CONFIG [--set k=v ...] [--dry-run]``."""
+"""``mtl train CONFIG [--set k=v ...] [--fresh] [--dry-run]``."""
 
 from __future__ import annotations
 
@@ -6,15 +6,26 @@ import click
 
 from mtl.core.config_io import load_config
 
+CONFIG_REFERENCE = "docs/config.md"
 
-@click.command()
+
+@click.command(epilog=f"Config reference (every key, its default and meaning): {CONFIG_REFERENCE} in the mtl "
+                      "source tree; `mtl train CONFIG --dry-run` prints the resolved values.")
 @click.argument("config", type=click.Path(dir_okay=False), required=False)
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
               help="Override a config value (parsed as TOML, else a string). Repeatable.")
+@click.option("--fresh", is_flag=True,
+              help="Start over instead of resuming from ckpt.save (ckpt.resume = false); only into an empty "
+                   "ckpt.save directory.")
 @click.option("--dry-run", is_flag=True, help="Print the resolved config, model tree, FLOPs and memory; exit.")
-def train(config, overrides, dry_run):
-    """Train a model described by the TOML file CONFIG (under torchrun for several processes)."""
-    cfg = load_config(config, overrides)
+def train(config, overrides, fresh, dry_run):
+    """Train a model described by the TOML file CONFIG (under torchrun for several processes).
+
+    When ckpt.save already holds this run's checkpoints, the run resumes from the latest one
+    (so the same command continues a stopped run, and torchrun --max-restarts restarts a
+    failed one). Ctrl-C (SIGINT) or SIGTERM stops after the current step and saves; a second
+    Ctrl-C aborts at once."""
+    cfg = load_config(config, [*overrides, *(["ckpt.resume=false"] if fresh else [])])
     if dry_run:
         from mtl.cli.dry_run import dry_run as show
 
