@@ -25,6 +25,7 @@ from mtl.models.gpt.transformer_layer import sequence_parallel_norm_kwargs
 from mtl.models.initialization import initialize_parameters
 from mtl.models.param_layout import mark_vocab_rows
 from mtl.parallel.tensor_parallel import vocab_parallel_cross_entropy
+from mtl.parallel.tensor_parallel.linear_cross_entropy import output_layer_cross_entropy, supports_fused_cross_entropy
 
 
 class GPTModel(nn.Module):
@@ -129,7 +130,15 @@ class GPTModel(nn.Module):
             inference_context.advance(seq_len)
         if not self.post_process:
             return hidden
-        logits = self.output_layer(self.final_norm(hidden))  # [s(/tp), b, h] -> [s, b, V/tp]
+        hidden = self.final_norm(hidden)
+        if labels is not None and supports_fused_cross_entropy(self.output_layer):
+            # LM head + loss in chunks of tokens: no [s, b, V/tp] logits (linear_cross_entropy.py);
+            # another backend's head (or output_layer.fused_cross_entropy = False) takes the path below.
+            loss = output_layer_cross_entropy(
+                self.output_layer, hidden, labels.t(), vocab_size=self.vocab_size, compile=self.config.train.compile
+            )  # [s, b] fp32
+            return loss.t()  # [b, s]
+        logits = self.output_layer(hidden)  # [s(/tp), b, h] -> [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [b, s, V/tp]
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.topology, vocab_size=self.vocab_size)  # [s, b] fp32

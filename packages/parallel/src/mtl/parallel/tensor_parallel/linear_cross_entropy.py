@@ -1,0 +1,326 @@
+"""The LM head fused with the vocab-parallel cross-entropy: ``loss = CE(x Wᵀ, target)``
+computed in chunks of tokens, so neither the ``[tokens, V/tp]`` logits nor their fp32 copy,
+softmax or gradient ever exist for the whole micro-batch at once.
+
+Forward, per chunk of tokens: the logits GEMM in the compute dtype (autocast's, else the
+inputs'), then in fp32 this rank's log-sum-exp over its real vocabulary columns and the
+target's logit where this rank owns the target. After the last chunk two all-reduces over
+the TP group (a max of the local log-sum-exps; a sum of their rescaled exponentials stacked
+with the target logits) give every token's global log-sum-exp ``lse`` and its loss
+``lse - logit[target]``: two collectives per micro-batch, whatever the number of chunks.
+Columns at or past ``vocab_size`` (the padding to a multiple of 128·tp) take no part, as in
+``vocab_parallel_cross_entropy``: they are outside the log-sum-exp and their probability
+and gradient are exactly zero. A rank that holds only padding contributes nothing.
+
+Backward recomputes. Per chunk: the logits GEMM again, ``softmax = exp(logits - lse)``,
+``dlogits = (softmax - onehot(target)) * grad_loss`` cast to the compute dtype, then
+``dx = dlogits W`` and ``dW += dlogitsᵀ x`` (accumulated in fp32 over the chunks, returned in
+the weight's dtype). Why recompute rather than produce the gradients in the forward pass and
+only scale them in backward: the output is a *per-token* loss that the trainer weights per
+token (loss mask / token count / loss scale), so ``grad_loss`` is a vector known only in
+backward, and ``dW = Σ_t grad_loss_t · dlogits_tᵀ x_t`` does not factor it out; computing
+``dW`` in forward would need the full ``[tokens, V/tp]`` ``dlogits`` kept until backward
+(the memory this function exists to save). Recomputing costs one extra logits GEMM (4 GEMMs
+instead of 3; about 2% of the reference model's FLOPs) and keeps only ``x`` (which the plain
+linear saves too), the compute-dtype weight and one fp32 ``lse`` per token. Transient memory
+is one chunk: its logits in the compute dtype and in fp32, and its ``dlogits``.
+
+The weight gradient leaves through autograd (it is returned from ``backward``), so a weight
+tied to the embedding accumulates both gradients in one ``param.grad`` and the
+post-accumulate-grad hooks of data parallelism fire as for any parameter.
+
+Tensor and sequence parallelism are the column-parallel linear's: ``output_layer_cross_entropy``
+enters the TP region with the same mapping as ``ColumnParallelLinear`` (identity forward /
+all-reduce backward; under sequence parallelism all-gather forward / reduce-scatter backward),
+so the partial ``dx`` of each rank's vocabulary slice is summed by autograd.
+
+``compile=True`` runs the two elementwise/reduction steps of a chunk through
+``torch.compile`` (one reduction kernel forward, one pointwise kernel backward, instead of
+about five passes over the fp32 chunk each in eager mode); the GEMMs and collectives stay
+eager. Should compilation fail the function says so once in the log and runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtl.core.errors import ParallelError
+from mtl.parallel.tensor_parallel import collectives as C
+from mtl.parallel.tensor_parallel import mappings
+from mtl.parallel.tensor_parallel.layers import ColumnParallelLinear
+
+log = logging.getLogger(__name__)
+
+# Bound on one chunk's fp32 logits [chunk, V/tp]. 512 MiB is 2048 tokens of the reference
+# model's 50304-word vocabulary, a GEMM of 2048 x 2048 x 50304: large enough to run at full
+# speed, small against the ~3.3 GB the unchunked loss holds for 8192 tokens.
+DEFAULT_CHUNK_BYTES = 512 * 2**20
+
+
+def chunk_rows(num_tokens: int, vocab_local: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Tokens per chunk: equal chunks (a multiple of 64 rows) whose fp32 logits fit in
+    ``chunk_bytes``, or every token in one chunk when they all fit."""
+    if num_tokens == 0:
+        return 1
+    n_chunks = max(1, math.ceil(num_tokens * vocab_local * 4 / chunk_bytes))
+    rows = math.ceil(num_tokens / n_chunks)
+    if n_chunks > 1:
+        rows = math.ceil(rows / 64) * 64
+    return max(1, min(rows, num_tokens))
+
+
+# ---- the per-chunk elementwise work (eager; optionally compiled) ----------------------------
+def _chunk_stats(logits: torch.Tensor, target_local: torch.Tensor, owned: torch.Tensor, num_real: int):
+    """logits [c, V/tp] (compute dtype) -> (log-sum-exp over the first ``num_real`` columns,
+    the target's logit where ``owned`` else 0), both [c] fp32."""
+    tgt = logits.gather(-1, target_local.unsqueeze(-1)).squeeze(-1).float().masked_fill(~owned, 0.0)
+    real = logits[:, :num_real].float()
+    row_max = real.amax(dim=-1)
+    lse = torch.log(torch.exp(real - row_max.unsqueeze(-1)).sum(dim=-1)) + row_max
+    return lse, tgt
+
+
+def _chunk_stats_eager(logits, target_local, owned, num_real):
+    # The same math as _chunk_stats with the fewest passes eager mode allows: one fp32 buffer
+    # (a fresh copy, or the GEMM's own output in fp32, which nobody else holds) worked in place.
+    tgt = logits.gather(-1, target_local.unsqueeze(-1)).squeeze(-1).float().masked_fill(~owned, 0.0)
+    real = logits[:, :num_real].float()
+    row_max = real.amax(dim=-1, keepdim=True)
+    lse = real.sub_(row_max).exp_().sum(dim=-1).log_().add_(row_max.squeeze(-1))
+    return lse, tgt
+
+
+def _chunk_dlogits(logits, lse, target_local, owned, scale, num_real: int, out_dtype: torch.dtype):
+    """(softmax - onehot(target)) * scale per row, padding columns zero, in ``out_dtype``."""
+    p = torch.exp(logits.float() - lse.unsqueeze(-1))
+    col = torch.arange(logits.shape[-1], device=logits.device)
+    if num_real < logits.shape[-1]:
+        p = torch.where(col < num_real, p, 0.0)
+    onehot = (col == target_local.unsqueeze(-1)) & owned.unsqueeze(-1)
+    return ((p - onehot.float()) * scale.unsqueeze(-1)).to(out_dtype)
+
+
+def _chunk_dlogits_eager(logits, lse, target_local, owned, scale, num_real, out_dtype):
+    p = logits.float()  # in place from here: a fresh fp32 copy, or the recomputed logits themselves
+    p.sub_(lse.unsqueeze(-1)).exp_()
+    if num_real < p.shape[-1]:
+        p[:, num_real:] = 0.0
+    p.scatter_add_(-1, target_local.unsqueeze(-1), -owned.to(p.dtype).unsqueeze(-1))
+    p.mul_(scale.unsqueeze(-1))
+    return p.to(out_dtype)
+
+
+class _Kernels:
+    """The eager pair, and the compiled pair built on first use; a failed compilation is
+    logged once and the eager pair used from then on."""
+
+    def __init__(self):
+        self._compiled = None
+        self._failed = False
+
+    def get(self, compiled: bool):
+        if compiled and not self._failed:
+            if self._compiled is None:
+                self._compiled = (
+                    torch.compile(_chunk_stats, dynamic=False),
+                    torch.compile(_chunk_dlogits, dynamic=False),
+                )
+            return self._compiled
+        return _chunk_stats_eager, _chunk_dlogits_eager
+
+    def run(self, index: int, compiled: bool, *args):
+        if compiled and not self._failed:
+            try:
+                return self.get(True)[index](*args)
+            except Exception as exc:  # noqa: BLE001 - an optimisation failing must not stop training
+                self._failed = True
+                log.warning("fused cross-entropy: torch.compile of the chunk kernels failed (%s: %s); "
+                            "running them eagerly", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return self.get(False)[index](*args)
+
+
+_KERNELS = _Kernels()
+
+
+def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(x.dtype, weight.dtype)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, target, group, vocab_start, num_real, rows, compiled):
+        # x [N, h] (the full sequence on every TP rank), weight [V/tp, h], target [N] int64.
+        cdtype = _compute_dtype(x, weight)
+        device_type = x.device.type
+        with torch.autocast(device_type, enabled=False):
+            x_c = x.to(cdtype)
+            w_c = weight.to(cdtype)
+            n, vocab_local = x.shape[0], weight.shape[0]
+            not_mine = (target < vocab_start) | (target >= vocab_start + vocab_local)
+            owned = ~not_mine
+            target_local = (target - vocab_start).masked_fill(not_mine, 0)
+            lse_local = torch.full((n,), float("-inf"), dtype=torch.float32, device=x.device)
+            tgt = torch.zeros((n,), dtype=torch.float32, device=x.device)
+            if num_real > 0:
+                for start in range(0, n, rows):
+                    end = min(n, start + rows)
+                    logits = torch.mm(x_c[start:end], w_c.t())  # [c, V/tp] compute dtype
+                    lse_c, tgt_c = _KERNELS.run(0, compiled, logits, target_local[start:end], owned[start:end],
+                                                num_real)
+                    lse_local[start:end] = lse_c
+                    tgt[start:end] = tgt_c
+            # Global log-sum-exp from the ranks' local ones: lse = M + log Σ_r exp(lse_r - M).
+            row_max = C.all_reduce_max_(lse_local.clone(), group)
+            sums = torch.stack([torch.exp(lse_local - row_max), tgt])  # [2, N]
+            sums = C.all_reduce_sum_(sums, group)
+            lse = row_max + torch.log(sums[0])
+            loss = lse - sums[1]
+        ctx.save_for_backward(x_c, w_c, lse, target_local, owned)
+        ctx.meta = (num_real, rows, compiled, cdtype, x.dtype, weight.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        x_c, w_c, lse, target_local, owned = ctx.saved_tensors
+        num_real, rows, compiled, cdtype, x_dtype, w_dtype = ctx.meta
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n, h = x_c.shape
+        scale = grad_loss.reshape(-1).float()
+        grad_x = None
+        if need_x:  # a rank holding only padding sends zeros into the TP reduction
+            grad_x = (torch.empty if num_real > 0 else torch.zeros)((n, h), dtype=x_dtype, device=x_c.device)
+        grad_w = None
+        if num_real > 0 and (need_x or need_w):
+            with torch.autocast(x_c.device.type, enabled=False):
+                for start in range(0, n, rows):
+                    end = min(n, start + rows)
+                    xs = x_c[start:end]
+                    logits = torch.mm(xs, w_c.t())
+                    d = _KERNELS.run(1, compiled, logits, lse[start:end], target_local[start:end],
+                                     owned[start:end], scale[start:end], num_real, cdtype)
+                    del logits
+                    if need_x:
+                        if x_dtype == cdtype:
+                            torch.mm(d, w_c, out=grad_x[start:end])
+                        else:
+                            grad_x[start:end] = torch.mm(d, w_c)
+                    if need_w:
+                        if grad_w is None:
+                            grad_w = torch.mm(d.t(), xs).float()
+                        elif cdtype == torch.float32:
+                            grad_w.addmm_(d.t(), xs)
+                        else:
+                            grad_w += torch.mm(d.t(), xs)
+        if need_w:
+            if grad_w is None:  # this rank holds only padding: its rows get no gradient
+                grad_w = torch.zeros(w_c.shape, dtype=torch.float32, device=w_c.device)
+            grad_w = grad_w.to(w_dtype)
+        return grad_x, grad_w, None, None, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    group=None,
+    tp_rank: int = 0,
+    vocab_size: int | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    compile: bool = False,
+) -> torch.Tensor:
+    """Per-token loss (fp32, shaped like ``target``) of ``hidden @ weight.T`` against ``target``.
+
+    ``hidden`` is ``[..., h]``, already in the TP region (the whole sequence on every TP rank,
+    see ``output_layer_cross_entropy`` for the mapping in), ``weight`` this rank's
+    ``[V/tp, h]`` rows of the (padded) output layer, ``target`` int64 ``[...]`` in
+    ``[0, vocab_size)``. ``vocab_size`` is the true vocabulary (None: no padding); ``group``
+    the TP group (None: one rank)."""
+    if target.shape != hidden.shape[:-1]:
+        raise ParallelError(
+            f"linear_cross_entropy: target shape {tuple(target.shape)} must equal the hidden states' "
+            f"leading shape {tuple(hidden.shape[:-1])} (hidden {tuple(hidden.shape)})"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ParallelError(
+            f"linear_cross_entropy: weight {tuple(weight.shape)} must be [V/tp, {hidden.shape[-1]}]"
+        )
+    vocab_local = weight.shape[0]
+    vocab_start = tp_rank * vocab_local
+    num_real = vocab_local if vocab_size is None else max(0, min(vocab_local, vocab_size - vocab_start))
+    x = hidden.reshape(-1, hidden.shape[-1])
+    rows = chunk_rows(x.shape[0], vocab_local, chunk_bytes)
+    loss = _LinearCrossEntropy.apply(x, weight, target.reshape(-1), group, vocab_start, num_real, rows, compile)
+    return loss.view(target.shape)
+
+
+def supports_fused_cross_entropy(layer: nn.Module) -> bool:
+    """Whether ``output_layer_cross_entropy`` may replace ``layer(x)`` + the vocab-parallel loss.
+
+    A layer decides by a ``fused_cross_entropy`` attribute when it has one (True: it is
+    ``y = x Wᵀ`` over ``layer.weight`` with ColumnParallelLinear's TP/SP contract). Otherwise
+    yes only for mtl.parallel's own ``ColumnParallelLinear`` with its own ``forward`` and
+    ``local_linear`` (so not a quantized subclass such as mtl-quant's FP8 layer, nor another
+    backend's module, e.g. Transformer Engine's), without bias or ``gather_output``, and
+    without forward hooks that expect the logits (forward *pre*-hooks are run)."""
+    flag = getattr(layer, "fused_cross_entropy", None)
+    if flag is not None:
+        return bool(flag)
+    return (
+        isinstance(layer, ColumnParallelLinear)
+        and type(layer).forward is ColumnParallelLinear.forward
+        and type(layer).local_linear is ColumnParallelLinear.local_linear
+        and layer.bias is None
+        and not layer.gather_output
+        and not layer._forward_hooks
+        and not nn.modules.module._global_forward_hooks
+    )
+
+
+def _run_forward_pre_hooks(module: nn.Module, args: tuple) -> tuple:
+    """What ``module(*args)`` runs before ``forward``: the global and the module's forward
+    pre-hooks (e.g. data parallelism waiting for this module's parameter all-gather)."""
+    hooks = [*nn.modules.module._global_forward_pre_hooks.items(), *module._forward_pre_hooks.items()]
+    for hook_id, hook in hooks:
+        if hook_id in module._forward_pre_hooks_with_kwargs:
+            result = hook(module, args, {})
+            if result is not None:
+                args = result[0]
+        else:
+            result = hook(module, args)
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+    return args
+
+
+def output_layer_cross_entropy(
+    layer: nn.Module,
+    hidden: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_size: int | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    compile: bool = False,
+) -> torch.Tensor:
+    """``vocab_parallel_cross_entropy(layer(hidden), target)`` without the logits: per-token
+    fp32 loss ``[s, b]`` for ``hidden`` ``[s, b, h]`` (``[s/tp, b, h]`` under the layer's
+    sequence parallelism) and ``target`` ``[s, b]``. ``layer`` must pass
+    ``supports_fused_cross_entropy``."""
+    (hidden,) = _run_forward_pre_hooks(layer, (hidden,))
+    tp, tp_rank, group = getattr(layer, "tp", 1), getattr(layer, "tp_rank", 0), getattr(layer, "tp_group", None)
+    if getattr(layer, "sequence_parallel", False):
+        hidden = mappings.gather_from_sequence_parallel(hidden, group)  # [s/tp, b, h] -> [s, b, h]
+    else:
+        hidden = mappings.copy_to_tensor_parallel(hidden, group)
+    return linear_cross_entropy(
+        hidden, layer.weight, target, group=group if tp > 1 else None, tp_rank=tp_rank,
+        vocab_size=vocab_size, chunk_bytes=chunk_bytes, compile=compile,
+    )
