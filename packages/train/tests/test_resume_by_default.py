@@ -136,3 +136,14 @@ def test_an_exception_in_a_step_saves_nothing(tmp_path, failing_dataset):
         run([f"ckpt.save='{ckpt}'", "ckpt.interval=4", "data.dataset='failing'"])
     assert (ckpt / "latest").read_text().strip() == "4"
     assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000004", "latest"]
+
+
+def test_interval_minutes_saves_by_the_clock(tmp_path):
+    from mtl.ckpt.directory import committed_iterations
+
+    ckpt = tmp_path / "ckpt"
+    # 0.00001 minutes: every step is past it, so every step saves (none by ckpt.interval)
+    run([f"ckpt.save='{ckpt}'", "ckpt.interval_minutes=0.00001", "train.iters=3"])
+    assert committed_iterations(str(ckpt)) == [1, 2, 3]
+    with pytest.raises(Exception, match="ckpt.interval_minutes = -1.0 must not be negative"):
+        run([f"ckpt.save='{tmp_path / 'x'}'", "ckpt.interval_minutes=-1"])
