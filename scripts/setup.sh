@@ -1,16 +1,28 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs every mtl package editable, with test extras.
-# torch is pinned to the CPU build that lies on this machine's disk; on a GPU machine, the
-# installed torch is kept (pip sees it satisfies the range).
+# Creates .venv (if missing) and installs every mtl package editable, with the test extras.
+# torch: the version MTL_TORCH_VERSION names (default 2.13.0), from pip's configured index;
+# MTL_TORCH_VERSION=installed keeps the torch the environment already has.
+# A second run with nothing changed (same pyproject files, same torch choice) prints nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+TORCH=${MTL_TORCH_VERSION:-2.13.0}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q "torch==${MTL_TORCH_VERSION:-2.13.0}"
-.venv/bin/python -m pip install -q \
+STAMP=.venv/.mtl-setup
+WANT=$( (echo "torch=$TORCH"; cat scripts/setup.sh packages/*/pyproject.toml examples/plugins/*/pyproject.toml) \
+  | sha256sum | cut -d' ' -f1)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
+  exit 0
+fi
+PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+"${PIP[@]}" --upgrade pip
+if [ "$TORCH" != "installed" ]; then
+  "${PIP[@]}" "torch==$TORCH"
+fi
+"${PIP[@]}" \
   -e packages/core -e "packages/parallel[test]" -e "packages/models[test]" -e "packages/data[test]" \
   -e "packages/ckpt[test]" -e "packages/train[test]" -e "packages/cli[test]" \
   -e examples/plugins/mtl-example-plugin pytest pytest-timeout nox
+echo "$WANT" > "$STAMP"
