@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -44,14 +46,33 @@ def continuation_text(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> s
     return tokenizer.decode(list(new_ids))
 
 
+_ITERATION_DIR = re.compile(r"^iter_(\d{7,})$")
+
+
+def checkpoint_and_iteration(checkpoint: str, iteration: int | None) -> tuple[str, int | None, str | None]:
+    """(checkpoint directory, iteration, hint). An ``iter_NNNNNNN`` directory given where the
+    checkpoint directory belongs is read as its parent at that iteration, with a hint saying so."""
+    path = Path(checkpoint)
+    match = _ITERATION_DIR.match(path.name)
+    if match is None or (path / "latest").exists():
+        return checkpoint, iteration, None
+    named = int(match.group(1))
+    if iteration is not None and iteration != named:
+        raise ConfigError(f"{checkpoint} is iteration {named} but --iteration {iteration} was given; "
+                          f"pass the checkpoint directory {path.parent} with --iteration N")
+    hint = (f"note: {checkpoint} is one iteration of the checkpoint directory {path.parent}: reading it as "
+            f"`mtl generate {path.parent} --iteration {named}`")
+    return str(path.parent), named, hint
+
+
 def generate_from_checkpoint(checkpoint: str, prompt: str, *, max_new_tokens: int = 64, temperature: float = 1.0,
                              top_k: int = 0, seed: int = 0, device: str = "cpu", tokenizer: str | None = None,
-                             tokenizer_model: str | None = None) -> Generation:
+                             tokenizer_model: str | None = None, iteration: int | None = None) -> Generation:
     if tokenizer_model is not None and tokenizer is None:
         raise ConfigError("--tokenizer-model needs --tokenizer NAME (which tokenizer reads the file)")
     dev = parse_device(device)
     model, tokenizer, _ = load_for_inference(checkpoint, device=dev, tokenizer=tokenizer,
-                                             tokenizer_model=tokenizer_model)
+                                             tokenizer_model=tokenizer_model, iteration=iteration)
     prompt_ids = tokenizer.encode(prompt)
     if not prompt_ids:
         raise ConfigError(f"--prompt {prompt!r} encodes to no tokens; give a non-empty prompt")

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from mtl.ckpt import latest_iteration, load as ckpt_load, read_metadata
+from mtl.ckpt.directory import committed_iterations
 from mtl.core.config import RunConfig
 from mtl.core.config_io import config_from_dict
 from mtl.core.errors import CheckpointError, ConfigError
@@ -34,13 +35,20 @@ def resolve_tokenizer_path(ckpt_dir: Path, tokenizer_model: str | None) -> str |
 
 
 def load_for_inference(ckpt_dir: str | Path, device: str | torch.device = "cpu", *,
-                       tokenizer: str | None = None, tokenizer_model: str | None = None):
+                       tokenizer: str | None = None, tokenizer_model: str | None = None,
+                       iteration: int | None = None):
     """(model, tokenizer, config) from an mtl checkpoint saved at any layout, on one process.
-    ``tokenizer``/``tokenizer_model`` replace the checkpoint's tokenizer (needed when it has none)."""
+    ``tokenizer``/``tokenizer_model`` replace the checkpoint's tokenizer (needed when it has none);
+    ``iteration`` picks a committed iteration other than the latest."""
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.exists():
         raise CheckpointError(f"checkpoint directory {ckpt_dir} does not exist")
-    iteration = latest_iteration(ckpt_dir)
+    if iteration is None:
+        iteration = latest_iteration(ckpt_dir)
+    elif iteration not in committed_iterations(str(ckpt_dir)):
+        held = committed_iterations(str(ckpt_dir))
+        raise CheckpointError(f"{ckpt_dir} holds no committed iteration {iteration} "
+                              f"(it holds: {', '.join(map(str, held[-10:])) or 'none'})")
     metadata = read_metadata(ckpt_dir, iteration)
     cfg = single_process_config(metadata["config"])
     if tokenizer is not None:
