@@ -16,6 +16,7 @@ from mtl.parallel.distributed import init_distributed
 from mtl.parallel.random import seed_everything as seed_rng_streams
 from mtl.parallel.topology import Topology
 from mtl.train.checkpointing import check_checkpoint_dirs
+from mtl.train.compile import compile_regions
 
 log = get_logger(__name__)
 
@@ -64,6 +65,8 @@ def build_model_chunks(config: RunConfig, topology: Topology, device: torch.devi
             pre_process=first_virtual, post_process=last_virtual, layer_range=layer_range,
         )
         chunks.append(model.to(device))
+    if config.train.compile:
+        compile_regions(chunks)
     return chunks
 
 

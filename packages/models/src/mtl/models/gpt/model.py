@@ -103,6 +103,11 @@ class GPTModel(nn.Module):
         elif self.post_process:
             self.output_layer.weight.shared_embedding = True
 
+    def compile_units(self) -> list[nn.Module]:
+        """What ``train.compile`` compiles, one region each: the transformer layers (one
+        graph serves them all); embedding, head and loss stay eager."""
+        return list(self.layers.values())
+
     def set_input_tensor(self, input_tensor: torch.Tensor) -> None:
         """The hidden states ``[s(/tp), b, h]`` a later pipeline stage starts from."""
         self.input_tensor = input_tensor

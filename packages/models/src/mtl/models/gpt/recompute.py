@@ -13,13 +13,20 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.utils.checkpoint import checkpoint
 
 from mtl.parallel.random import get_rng_tracker
 
 
 def checkpointed(function: Callable[..., Any], *args: Any) -> Any:
-    """``function(*args)`` without keeping its activations; recomputed in backward."""
+    """``function(*args)`` without keeping its activations; recomputed in backward.
+
+    Inside a ``torch.compile`` region (``train.compile``) this is a plain non-reentrant
+    checkpoint: dynamo cannot trace a custom ``context_fn``, and the compiled graph's
+    partitioner saves what random ops draw instead of drawing again on recompute."""
+    if torch.compiler.is_compiling():
+        return checkpoint(function, *args, use_reentrant=False)
     tracker = get_rng_tracker()
     snapshot: dict = {}
 

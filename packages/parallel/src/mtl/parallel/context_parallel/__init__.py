@@ -103,4 +103,12 @@ def context_parallel_attention(
             f"context_parallel_attention: local sequence length {q.size(1)} is odd; with cp = "
             f"{topology.cp} each rank holds two equal chunks, so split inputs with split_for_context_parallel"
         )
+    return _ring_attention(q, k, v, topology, causal, scale)
+
+
+@torch.compiler.disable(recursive=True)
+def _ring_attention(q, k, v, topology: Topology, causal: bool, scale: float) -> torch.Tensor:
+    """The ring runs eagerly even inside a compiled layer (``train.compile``): its
+    point-to-point exchanges are not traceable, so the layer's graph ends before it and
+    resumes after it, by design rather than by a break dynamo stumbles on."""
     return RingAttention.apply(q, k, v, CpRing(topology), causal, scale)

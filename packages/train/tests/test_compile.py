@@ -1,0 +1,67 @@
+"""``train.compile``: each transformer layer compiled as one region gives the eager
+one-process numbers at every layout, with no graph break inside a layer (dynamo's own
+counters). Context parallelism's ring exchange is the one region left eager on purpose."""
+
+from __future__ import annotations
+
+import pytest
+
+from mtl.parallel.testing import run_distributed
+from mtl.train.testing import LAYOUTS, compare_with_reference, has_full_grads, run_tiny
+
+
+def _run_compiled(overrides: list[str], with_grads: bool) -> dict:
+    from torch._dynamo.utils import counters
+
+    from mtl.train.compile import graph_breaks
+
+    counters.clear()
+    result = run_tiny([*overrides, "train.compile=true"], with_grads)
+    result["graph_breaks"] = graph_breaks()
+    result["layer_graphs"] = _layer_graphs()
+    return result
+
+
+def _layer_graphs() -> int:
+    """How many compiled graphs dynamo holds for the transformer layer's forward."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from mtl.models.gpt.transformer_layer import TransformerLayer
+
+    return len(_debug_get_cache_entry_list(TransformerLayer.forward.__code__))
+
+
+@pytest.fixture(scope="module")
+def eager_reference() -> dict:
+    return run_tiny([])
+
+
+def test_one_process_compiled_equals_eager_in_one_graph(eager_reference):
+    compiled = _run_compiled([], with_grads=True)
+    assert compiled["graph_breaks"] == {}
+    assert compiled["layer_graphs"] == 1  # four layers of one shape: traced once, no recompiles
+    compare_with_reference("compiled", [compiled], eager_reference)
+
+
+# Collectives inside the layer (tp + sp), overlapped parameter gathers and selective
+# recompute (dp + distributed optimizer), full recompute over interleaved pipeline chunks,
+# and context parallelism's ring.
+CASES = {
+    "tp2_sp": [],
+    "dp2_distopt": ["parallel.overlap_param_gather=true", "train.recompute=selective"],
+    "pp2_vpp2": ["train.recompute=full"],
+    "cp2": [],
+}
+
+
+@pytest.mark.parametrize("layout", list(CASES))
+def test_compiled_layout_equals_eager_one_process(layout, eager_reference):
+    world, overrides = LAYOUTS[layout]
+    results = run_distributed(_run_compiled, world, args=([*overrides, *CASES[layout]], has_full_grads(layout)))
+    compare_with_reference(f"{layout} compiled", results, eager_reference)
+    for rank, result in enumerate(results):
+        breaks = result["graph_breaks"]
+        if layout == "cp2":  # the ring runs eagerly by design (torch.compiler.disable)
+            assert breaks and all("_ring_attention" in reason for reason in breaks), breaks
+        else:
+            assert breaks == {}, f"rank {rank}: {breaks}"
