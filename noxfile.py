@@ -16,12 +16,17 @@ PACKAGES = {
     "models": ["core", "parallel"],
     "train": ["core", "parallel", "models", "data", "ckpt"],
     "cli": ["core", "parallel", "models", "data", "ckpt", "train"],
+    "quant": ["core", "parallel"],
+    "te": ["core", "parallel"],
 }
-WITH_TEST_EXTRA = {"parallel", "models", "data", "ckpt", "train", "cli"}
+WITH_TEST_EXTRA = {"parallel", "models", "data", "ckpt", "train", "cli", "quant", "te"}
 # Local distributions a package's tests use beyond its own dependencies (not on PyPI).
 TEST_LOCAL = {
     "ckpt": ["packages/parallel"],  # the multi-rank save/load tests start gloo groups
     "cli": ["examples/plugins/mtl-example-plugin"],  # `mtl plugins` lists a third-party plugin
+    # the backend suite (mtl.train.backend_suite) trains the tiny model
+    "quant": [f"packages/{p}" for p in ("models", "data", "ckpt", "train")],
+    "te": [f"packages/{p}" for p in ("models", "data", "ckpt", "train")],
 }
 
 nox.options.default_venv_backend = "venv"

@@ -28,6 +28,7 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
     if not a.is_cuda:
         return torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale.t() if rowwise else b_scale,
                                 out_dtype=out_dtype)
+    a, b = a.contiguous(), b.contiguous()  # row-major both: bᵀ is then the column-major operand cuBLAS wants
     (m, k), n = a.shape, b.shape[0]
     m_pad, n_pad, k_pad = _round_up(m), _round_up(n), _round_up(k)
     a, b = _pad(a, m_pad, k_pad), _pad(b, n_pad, k_pad)  # zeros along K add nothing

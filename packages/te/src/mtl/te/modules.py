@@ -1,0 +1,240 @@
+"""Transformer Engine modules behind mtl's column/row-parallel contract.
+
+- TP and SP are TE's own (``parallel_mode`` "column"/"row", ``sequence_parallel``), driven by
+  mtl's topology: ``tp_group``/``tp_size`` come from ``Topology``. Activations are mtl's
+  sequence-first ``[s(/tp), b, h]``.
+- Parameter names and layouts are mtl's (``weight``, ``bias``; ``linear_fc1.weight`` ...), every
+  split parameter tagged ``tp_split_dim`` (and SwiGLU's fc1 ``tp_stride = 2``: TE gates the
+  first half of each rank's fc1 output, so each rank holds ``[gate_local; up_local]`` as mtl
+  does), so mtl's initialisation, checkpoints and converters serve TE models unchanged.
+- The fused leaves (``LayerNormLinear``, ``LayerNormMLP``) are handed the layer's norm module and
+  use *its* parameters: TE's ``layer_norm_weight`` is replaced by the norm's ``weight``. The norm
+  module is registered first in the layer, so ``named_parameters`` names them ``input_norm.weight``.
+- Under sequence parallelism a replicated parameter that sees only ``[s/tp]`` of the tokens
+  (norm weights, a row layer's bias) gets partial gradients from TE; mtl has no separate
+  all-reduce step for them (Megatron's ``sequence_parallel`` attribute), so a gradient hook sums
+  them over TP, as mtl's local norms do.
+- FP8: each module runs its forward inside ``transformer_engine.pytorch.autocast`` with the TE
+  recipe of ``train.fp8`` (delayed, current, blockwise), amaxes reduced over the TP group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mtl.core.errors import ConfigError
+from mtl.core.registrations import Fp8Settings
+from mtl.parallel.random import get_rng_tracker
+from mtl.te.availability import require_te
+
+require_te()
+
+import transformer_engine.pytorch as te  # noqa: E402
+from transformer_engine.common import recipe as te_recipe  # noqa: E402
+
+
+def te_recipe_for(fp8: Fp8Settings | None):
+    """The TE recipe of mtl's FP8 settings (None: no FP8)."""
+    if fp8 is None:
+        return None
+    fmt = te_recipe.Format.HYBRID if fp8.format == "hybrid" else te_recipe.Format.E4M3
+    if fp8.recipe == "delayed":
+        return te_recipe.DelayedScaling(margin=fp8.margin, fp8_format=fmt, amax_history_len=fp8.amax_history_len,
+                                        amax_compute_algo=fp8.amax_compute_algo)
+    if fp8.recipe == "current":
+        return te_recipe.Float8CurrentScaling(fp8_format=fmt)
+    if fp8.recipe == "blockwise":
+        return te_recipe.Float8BlockScaling(fp8_format=fmt)
+    raise ConfigError(f"train.fp8 = '{fp8.recipe}' is not a recipe of the te backend (current, delayed, blockwise)")
+
+
+def sum_grad_over_tp(param: nn.Parameter, tp_group) -> None:
+    """Sum ``param``'s gradient over TP (once per parameter, however many modules use it)."""
+    if tp_group is None or getattr(param, "_mtl_tp_grad_sum", False):
+        return
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=tp_group)
+        return grad
+
+    param.register_hook(hook)
+    param._mtl_tp_grad_sum = True
+
+
+def _tag(param: nn.Parameter | None, split_dim: int | None, stride: int = 1) -> None:
+    if param is None or not isinstance(param, nn.Parameter):
+        return
+    if split_dim is not None:
+        param.tp_split_dim = split_dim
+        param.tp_partition_stride = stride
+
+
+def _tp(topology) -> tuple[int, object]:
+    if topology is None or topology.tp == 1:
+        return 1, None
+    return topology.tp, topology.tp_group
+
+
+class _Fp8Forward:
+    """Runs the TE module's forward inside TE's autocast when FP8 is on."""
+
+    def _setup_fp8(self, fp8: Fp8Settings | None, tp_group) -> None:
+        self._te_recipe = te_recipe_for(fp8)
+        self._amax_group = tp_group
+
+    def forward(self, x: torch.Tensor, *args, **kwargs):
+        if self._te_recipe is None:
+            return super().forward(x, *args, **kwargs)
+        with te.autocast(enabled=True, recipe=self._te_recipe, amax_reduction_group=self._amax_group):
+            return super().forward(x, *args, **kwargs)
+
+
+class TEColumnParallelLinear(_Fp8Forward, te.Linear):
+    def __init__(self, input_size: int, output_size: int, *, bias: bool, init_std: float, topology,
+                 gather_output: bool = False, sequence_parallel: bool = False, stride: int = 1,
+                 fp8: Fp8Settings | None = None):
+        if gather_output:
+            raise ConfigError("the te backend's column linear does not gather its output; use model.backend = 'local'")
+        tp, group = _tp(topology)
+        super().__init__(input_size, output_size, bias=bias, tp_group=group, tp_size=tp,
+                         sequence_parallel=sequence_parallel and tp > 1, parallel_mode="column", device="cuda")
+        _tag(self.weight, 0, stride)
+        _tag(self.bias if bias else None, 0, stride)
+        self._setup_fp8(fp8, group)
+
+
+class TERowParallelLinear(_Fp8Forward, te.Linear):
+    def __init__(self, input_size: int, output_size: int, *, bias: bool, init_std: float, topology,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, fp8: Fp8Settings | None = None):
+        if not input_is_parallel:
+            raise ConfigError("the te backend's row linear takes a TP-split input (input_is_parallel=True) only")
+        tp, group = _tp(topology)
+        sp = sequence_parallel and tp > 1
+        super().__init__(input_size, output_size, bias=bias, tp_group=group, tp_size=tp, sequence_parallel=sp,
+                         parallel_mode="row", device="cuda")
+        _tag(self.weight, 1)
+        if bias and sp:  # added after the reduce-scatter: each rank sees its tokens only
+            sum_grad_over_tp(self.bias, group)
+        self._setup_fp8(fp8, group)
+
+
+def build_norm(hidden_size: int, *, kind: str, eps: float, topology=None, sequence_parallel: bool = False) -> nn.Module:
+    classes = {"rmsnorm": te.RMSNorm, "layernorm": te.LayerNorm}
+    if kind not in classes:
+        raise ConfigError(f"model.normalization = '{kind}' is not a norm the te backend builds ({sorted(classes)})")
+    norm = classes[kind](hidden_size, eps=eps, device="cuda")
+    norm.mtl_kind, norm.mtl_eps = kind, eps  # what a fused leaf needs to apply it
+    if sequence_parallel:
+        for param in norm.parameters():
+            sum_grad_over_tp(param, _tp(topology)[1])
+    return norm
+
+
+def _norm_kind(norm: nn.Module) -> tuple[str, float]:
+    kind = getattr(norm, "mtl_kind", None)
+    if kind is None:
+        raise ConfigError("the te backend fuses only norms built by its own norm factory")
+    return ("RMSNorm" if kind == "rmsnorm" else "LayerNorm"), norm.mtl_eps
+
+
+def _share_norm(module: nn.Module, norm: nn.Module) -> None:
+    """Make the TE module use the layer's norm parameters (registered under the norm's names)."""
+    module.layer_norm_weight = norm.weight
+    if getattr(norm, "bias", None) is not None and hasattr(module, "layer_norm_bias"):
+        module.layer_norm_bias = norm.bias
+
+
+class TENormColumnParallelLinear(_Fp8Forward, te.LayerNormLinear):
+    """``column_linear(norm(x))`` in one TE module (``LayerNormLinear``)."""
+
+    def __init__(self, input_size: int, output_size: int, *, norm: nn.Module, bias: bool, init_std: float, topology,
+                 sequence_parallel: bool = False, stride: int = 1, fp8: Fp8Settings | None = None):
+        tp, group = _tp(topology)
+        normalization, eps = _norm_kind(norm)
+        super().__init__(input_size, output_size, eps=eps, bias=bias, normalization=normalization, tp_group=group,
+                         tp_size=tp, sequence_parallel=sequence_parallel and tp > 1, parallel_mode="column",
+                         device="cuda")
+        _share_norm(self, norm)
+        _tag(self.weight, 0, stride)
+        _tag(self.bias if bias else None, 0, stride)
+        self._setup_fp8(fp8, group)
+
+
+class _Params(nn.Module):
+    """Holds a linear's parameters under mtl's names (``weight``, ``bias``)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None):
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+
+
+class TENormMLP(nn.Module):
+    """The whole MLP block in one TE ``LayerNormMLP``; parameters named as mtl's MLP."""
+
+    def __init__(self, *, norm: nn.Module, hidden_size: int, ffn_hidden_size: int, activation: str, bias: bool,
+                 init_std: float, output_init_std: float, topology, sequence_parallel: bool,
+                 fp8: Fp8Settings | None = None):
+        super().__init__()
+        tp, group = _tp(topology)
+        sp = sequence_parallel and tp > 1
+        normalization, eps = _norm_kind(norm)
+        fused = te.LayerNormMLP(hidden_size, ffn_hidden_size, eps=eps, bias=bias, normalization=normalization,
+                                activation=activation, tp_group=group, tp_size=tp, sequence_parallel=sp,
+                                set_parallel_mode=True, device="cuda")
+        _share_norm(fused, norm)
+        gated = activation == "swiglu"
+        # registered before the TE module: these are the names named_parameters reports
+        self.linear_fc1 = _Params(fused.fc1_weight, fused.fc1_bias if bias else None)
+        self.linear_fc2 = _Params(fused.fc2_weight, fused.fc2_bias if bias else None)
+        self.fused = fused
+        for param in self.linear_fc1.parameters():
+            _tag(param, 0, 2 if gated else 1)
+            if gated:
+                param.tp_stride = 2
+        _tag(self.linear_fc2.weight, 1)
+        if bias and sp:
+            sum_grad_over_tp(self.linear_fc2.bias, group)
+        self._te_recipe = te_recipe_for(fp8)
+        self._amax_group = group
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[s(/tp), b, h] (un-normalised) -> [s(/tp), b, h]."""
+        if self._te_recipe is None:
+            return self.fused(hidden)
+        with te.autocast(enabled=True, recipe=self._te_recipe, amax_reduction_group=self._amax_group):
+            return self.fused(hidden)
+
+
+class TECoreAttention(nn.Module):
+    """TE's ``DotProductAttention`` on the backend contract's ``[b, s, heads, d]`` tensors."""
+
+    def __init__(self, *, num_heads: int, num_query_groups: int, head_dim: int, causal: bool, dropout: float,
+                 topology, softmax_scale: float | None = None):
+        super().__init__()
+        if topology is not None and topology.cp > 1:
+            raise ConfigError("the te backend does not drive context parallelism yet; use parallel.cp = 1 "
+                              "or model.backend = 'local'")
+        self.num_heads, self.head_dim, self.causal = num_heads, head_dim, causal
+        self._tp_split = topology is not None and topology.tp > 1
+        # local (per-TP-rank) head counts, so TE's own TP arithmetic stays at 1
+        self.attention = te.DotProductAttention(num_heads, head_dim, num_gqa_groups=num_query_groups,
+                                                attention_dropout=dropout, qkv_format="bshd",
+                                                attn_mask_type="causal" if causal else "no_mask",
+                                                softmax_scale=softmax_scale)
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, s_q = q.shape[0], q.shape[1]
+        mask = "no_mask"
+        if self.causal:  # a KV-cache step: the queries are the last s_q positions
+            mask = "causal" if s_q == k.shape[1] else "causal_bottom_right"
+        if self.dropout > 0 and self.training and self._tp_split:
+            with get_rng_tracker().fork():
+                out = self.attention(q, k, v, attn_mask_type=mask)
+        else:
+            out = self.attention(q, k, v, attn_mask_type=mask)
+        return out.view(b, s_q, self.num_heads, self.head_dim)  # [b, s, heads * d] -> [b, s, heads, d]

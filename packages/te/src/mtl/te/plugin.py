@@ -1,0 +1,30 @@
+"""Registers the ``te`` backend through the ``mtl_backends`` hook (entry point ``te_backend``).
+
+This module imports without Transformer Engine, so ``mtl plugins`` lists the backend and
+selecting it answers with one line naming what to install (``check_available``, called by
+``RunConfig.resolve``) instead of a traceback."""
+
+from __future__ import annotations
+
+from mtl.core.hookspecs import hookimpl
+from mtl.core.registrations import Backend
+from mtl.te import factories
+from mtl.te.availability import require_te
+
+TE_BACKEND = Backend(
+    name="te",
+    column_linear=factories.column_linear,
+    row_linear=factories.row_linear,
+    norm=factories.norm,
+    core_attention=factories.core_attention,
+    norm_column_linear=factories.norm_column_linear,
+    norm_mlp=factories.norm_mlp,
+    fp8_recipes=("current", "delayed", "blockwise"),
+    check_available=require_te,
+    description="Transformer Engine: Linear, LayerNormLinear, LayerNormMLP, RMSNorm/LayerNorm, DotProductAttention; FP8 recipes",
+)
+
+
+@hookimpl
+def mtl_backends() -> list[Backend]:
+    return [TE_BACKEND]
