@@ -9,6 +9,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -124,8 +125,11 @@ def _rank_of(pid: int) -> int | None:
 def _torchrun(tmp_path: Path, name: str, iters: int) -> tuple[list[str], Path]:
     config = write_config(tmp_path, iters=iters)
     logs = tmp_path / name / "logs"
+    with socket.socket() as sock:  # a free port per job: two run side by side
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     cmd = [str(BIN / "python"), "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-           "--monitor-interval", "0.2", "-m", "mtl.cli", "train", str(config),
+           "--monitor-interval", "0.2", "--master-port", str(port), "-m", "mtl.cli", "train", str(config),
            "--set", f"logging.dir='{logs}'", "--set", f"ckpt.save='{tmp_path / name / 'ckpt'}'",
            "--set", "ckpt.interval=4", "--set", "logging.progress='none'"]
     return cmd, logs
