@@ -1,20 +1,119 @@
-"""Profile a few training steps on one GPU and print where the CUDA time goes.
+"""Profile a few training steps and show where the time goes.
 
-    python3 benchmarks/gpu/profile_step.py benchmarks/gpu/llama_reference.toml [--set ...]
+    python3 benchmarks/gpu/profile_step.py benchmarks/gpu/llama_reference.toml [--set ...] [--markdown FILE]
 
-Runs two warm-up steps, then profiles two with torch.profiler; prints the top kernels
-and operators by CUDA time."""
+Runs two warm-up steps, then profiles two with torch.profiler; prints the top kernels and
+operators by CUDA time (by CPU time on a machine without CUDA). ``--markdown`` also writes
+the top kernels as a markdown table (what ``bench_speed.py --profile`` writes). The pieces
+(``mtl_step``, ``profile_steps``, ``kernel_table``) serve bench_speed.py too."""
+
+from __future__ import annotations
 
 import argparse
+import re
+from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from mtl.core.config_io import load_config
-from mtl.train.batches import MicroBatches
-from mtl.train.precision import LossScaler
-from mtl.train.setup import setup
-from mtl.train.step import train_step
+# Kernel name -> what it is, first match wins (for the per-category summary).
+CATEGORIES = [
+    ("attention", r"flash|fmha|cudnn.*(attn|sdpa|mha)|attention|sdpa"),
+    ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_|sm80_|aten::(mm|addmm|bmm|linear)$"),
+    ("communication", r"nccl|all_?reduce|all_?gather|reduce_?scatter"),
+    ("optimizer", r"multi_tensor|adam|foreach"),
+    ("compiled (triton)", r"^triton_|triton"),
+    ("copy / cast", r"copy|cast|convert|to_copy|memcpy|memset|fill"),
+    ("reduction / norm", r"reduce|norm|softmax|sum|max"),
+    ("elementwise", r"elementwise|vectorized|unrolled|pointwise"),
+]
+
+
+def mtl_step(config_path: str | None, overrides: list[str]) -> tuple[Callable[[], None], object]:
+    """(one training iteration of mtl as the trainer runs it, the resolved config)."""
+    from mtl.core.config_io import load_config
+    from mtl.train.batches import MicroBatches
+    from mtl.train.precision import LossScaler
+    from mtl.train.setup import setup
+    from mtl.train.step import train_step
+
+    run = setup(load_config(config_path, overrides))
+    cfg, t = run.config, run.config.train
+    scaler = LossScaler.for_config(t)
+    batches = MicroBatches(run.datasets["train"], cfg, run.topology, run.device, 0)
+
+    def step() -> None:
+        micro = batches.take(t.num_micro_batches)
+        train_step(cfg, run.topology, run.chunks, run.optimizer,
+                   [iter(micro) for _ in run.chunks], scaler, t.lr, run.device)
+
+    return step, cfg
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def profile_steps(step: Callable[[], object], warmup: int = 2, steps: int = 2):
+    """Run ``warmup`` steps, then profile ``steps`` more; returns the profiler."""
+    for _ in range(warmup):
+        step()
+    _sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        _sync()
+    return prof
+
+
+def _device_time(evt) -> float:
+    """Self time on the device in µs (the attribute's name changed across torch versions)."""
+    for name in ("self_device_time_total", "self_cuda_time_total"):
+        value = getattr(evt, name, None)
+        if value is not None:
+            return float(value)
+    return 0.0
+
+
+def category(name: str) -> str:
+    lowered = name.lower()
+    for label, pattern in CATEGORIES:
+        if re.search(pattern, lowered):
+            return label
+    return "other"
+
+
+def kernel_table(prof, steps: int, rows: int = 20, title: str = "") -> str:
+    """Markdown: the top ``rows`` GPU kernels by device time per step, and the time per
+    category. Without CUDA events (a CPU run), the top operators by self CPU time."""
+    from torch.autograd import DeviceType
+
+    events = prof.key_averages()
+    kernels = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA and _device_time(e) > 0]
+    if kernels:
+        timed = [(e.key, e.count, _device_time(e)) for e in kernels]
+        unit = "GPU kernels by device time"
+    else:
+        timed = [(e.key, e.count, float(e.self_cpu_time_total)) for e in events if e.self_cpu_time_total > 0]
+        unit = "operators by self CPU time (no CUDA kernels recorded)"
+    total = sum(t for _, _, t in timed) or 1.0
+    timed.sort(key=lambda r: r[2], reverse=True)
+    lines = [f"### {title}".rstrip() if title else "", "",
+             f"Top {rows} {unit}, per step (mean of {steps} profiled steps); total {total / steps / 1e3:.1f} ms/step.",
+             "", "| # | kernel | calls/step | ms/step | % |", "|---|---|---|---|---|"]
+    for i, (name, count, t) in enumerate(timed[:rows], 1):
+        short = name.replace("|", "\\|")
+        short = short if len(short) <= 110 else short[:107] + "..."
+        lines.append(f"| {i} | `{short}` | {count / steps:g} | {t / steps / 1e3:.2f} | {100 * t / total:.1f}% |")
+    by_cat: dict[str, float] = {}
+    for name, _, t in timed:
+        by_cat[category(name)] = by_cat.get(category(name), 0.0) + t
+    lines += ["", "| category | ms/step | % |", "|---|---|---|"]
+    for label, t in sorted(by_cat.items(), key=lambda kv: kv[1], reverse=True):
+        lines.append(f"| {label} | {t / steps / 1e3:.2f} | {100 * t / total:.1f}% |")
+    return "\n".join(lines).lstrip() + "\n"
 
 
 def main() -> None:
@@ -22,25 +121,15 @@ def main() -> None:
     parser.add_argument("config")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--rows", type=int, default=40)
+    parser.add_argument("--markdown", help="also write the top kernels (20) as markdown to this file")
     args = parser.parse_args()
-    run = setup(load_config(args.config, args.overrides))
-    cfg, t = run.config, run.config.train
-    scaler = LossScaler.for_config(t)
-    batches = MicroBatches(run.datasets["train"], cfg, run.topology, run.device, 0)
-
-    def step():
-        micro = batches.take(t.num_micro_batches)
-        train_step(cfg, run.topology, run.chunks, run.optimizer,
-                   [iter(micro) for _ in run.chunks], scaler, t.lr, run.device)
-        torch.cuda.synchronize()
-
-    for _ in range(2):
-        step()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            step()
-    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows)
-    print(table)
+    step, _ = mtl_step(args.config, args.overrides)
+    prof = profile_steps(step, warmup=2, steps=2)
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=args.rows))
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(kernel_table(prof, steps=2, rows=20, title=f"mtl, {args.config}"))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,345 @@
+"""mtl beside a plain-PyTorch peer of the same model, in one call, in one table (issue 11).
+
+    bash benchmarks/gpu/setup.sh
+    python3 benchmarks/gpu/bench_speed.py --out $OUT/speed.md [--profile mtl-compile]
+
+Rows, each in a fresh Python process (its own peak memory, its own empty torch.compile
+cache) with a time limit; a row that fails prints ``failed: <its error's last line>`` and the
+table goes on:
+
+- ``matmul``: a bf16 8192³ matmul, the MFU peak of this device (TFLOP/s), measured first;
+- ``peer-eager`` / ``peer-compile``: ``peer_model.py`` (Llama-style, SDPA, F.rms_norm, RoPE,
+  SwiGLU, fused AdamW, bf16 autocast over fp32 parameters, grad accumulation), eager and with
+  ``torch.compile`` on each block;
+- ``mtl-<variant>``: ``mtl.train.loop.train`` on the config with the variant's ``--set``
+  overrides (``--variants eager compile`` by default: ``train.compile=false`` / ``true``;
+  custom: ``NAME:KEY=VALUE;KEY=VALUE``).
+
+Every system runs the same resolved config (``--config``, default the reference model
+``llama_reference.toml``, plus ``--set``): same shapes, micro-batch, global batch. s/iter is
+the median over the iterations after the first ``--skip``; TFLOP/s/GPU is Megatron's formula
+(``mtl.core.flops.flops_per_iteration`` of that config) over s/iter; MFU against the
+``matmul`` row; peak memory is ``torch.cuda.max_memory_allocated`` of the row's process.
+
+``--profile SYSTEM`` adds a torch.profiler breakdown of two steps of one system (top-20
+kernels by CUDA time and time per category) to ``--profile-out``. ``--tiny`` (with
+``--device cpu``) is a minute-long run of a small model for checking the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_CONFIG = HERE / "llama_reference.toml"
+PRESET_VARIANTS = {"eager": ["train.compile=false"], "compile": ["train.compile=true"]}
+PEER_SYSTEMS = ("peer-eager", "peer-compile")
+# A small model for a CPU check of the script: every code path, a minute in all.
+TINY = [
+    "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=64",
+    "model.vocab_size=257", "train.micro_batch_size=2", "train.global_batch_size=4",
+]
+
+
+# ---- the parent: one subprocess per row --------------------------------------------------------
+def parse_variant(spec: str) -> tuple[str, list[str]]:
+    if ":" in spec:
+        name, sets = spec.split(":", 1)
+        return name, [s.strip() for s in sets.split(";") if s.strip()]
+    if spec not in PRESET_VARIANTS:
+        raise SystemExit(f"--variants {spec!r}: not a preset ({', '.join(PRESET_VARIANTS)}); "
+                         "write NAME:KEY=VALUE;KEY=VALUE for your own")
+    return spec, PRESET_VARIANTS[spec]
+
+
+def run_row(spec: dict, timeout: float, log_dir: Path) -> dict:
+    """Run one row in a fresh process; its result dict, or {"error": last line}."""
+    name = spec["name"]
+    with tempfile.TemporaryDirectory(prefix=f"bench_{name}_") as tmp:
+        result_file = Path(tmp) / "result.json"
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(Path(tmp) / "inductor"),
+                   TRITON_CACHE_DIR=str(Path(tmp) / "triton"), PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec),
+               "--worker-out", str(result_file)]
+        log_path = log_dir / f"{name}.log"
+        began = time.monotonic()
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # the row and its compile workers
+                proc.wait()
+                return {"error": f"timed out after {timeout:.0f} s (log: {log_path})"}
+        wall = time.monotonic() - began
+        if rc != 0 or not result_file.exists():
+            lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+            return {"error": f"{lines[-1] if lines else f'exit code {rc}'} (exit {rc}, log: {log_path})"}
+        result = json.loads(result_file.read_text())
+        result["wall_s"] = wall
+        return result
+
+
+def fmt_row(name: str, r: dict, peak: float | None) -> str:
+    if "error" in r:
+        return f"| {name} | failed: {r['error'].replace('|', '/')} | | | | | |"
+    s = r["s_per_iter"]
+    tflops = r["flops_per_iter"] / s / r.get("world_size", 1) / 1e12
+    mfu = f"{100 * tflops / peak:.1f}%" if peak else "—"
+    mem = f"{r['peak_mem_gib']:.1f}" if r.get("peak_mem_gib") is not None else "—"
+    tf = f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.3g}"
+    return f"| {name} | {s:.3f} | {r['tokens_per_iter'] / s:,.0f} | {tf} | {mfu} | {mem} | {r['n_timed']} |"
+
+
+def write_table(path: Path | None, header: list[str], rows: list[str], notes: list[str]) -> str:
+    text = "\n".join([*header, "", "| system | s/iter | tokens/s | TFLOP/s/GPU | MFU | peak mem GiB | timed iters |",
+                      "|---|---|---|---|---|---|---|", *rows, "", *notes]).rstrip() + "\n"
+    if path is not None:
+        path.write_text(text)
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="mtl TOML config (default: the reference model)")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="override for every system (repeatable)")
+    parser.add_argument("--variants", nargs="+", default=["eager", "compile"],
+                        help="mtl rows: presets eager/compile, or NAME:KEY=VALUE;KEY=VALUE")
+    parser.add_argument("--systems", nargs="+", default=None,
+                        help="rows to run (default: peer-eager peer-compile and every mtl-<variant>)")
+    parser.add_argument("--iters", type=int, default=10, help="iterations per system")
+    parser.add_argument("--skip", type=int, default=3, help="warm-up iterations left out of the median")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: the config's train.device)")
+    parser.add_argument("--tiny", action="store_true", help="a small model, for checking the script (with --device cpu)")
+    parser.add_argument("--matmul-size", type=int, default=None, help="n of the n³ bf16 matmul (default 8192; --tiny 512)")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="use this MFU peak, skip the matmul row")
+    parser.add_argument("--row-timeout", type=float, default=300.0, help="seconds per row")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds for the whole call: a row gets at most what is left, and rows that "
+                             "would start after it are listed as skipped (e.g. 520 inside a 600 s device call)")
+    parser.add_argument("--out", default=None, help="write the markdown table here (rewritten after every row)")
+    parser.add_argument("--log-dir", default=None, help="per-row logs (default: next to --out, else a temp dir)")
+    parser.add_argument("--profile", default=None, metavar="SYSTEM",
+                        help="also profile 2 steps of this system (peer-eager, peer-compile, mtl-<variant>)")
+    parser.add_argument("--profile-out", default=None, help="markdown file of the profile (default: <out>.profile.md)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker), Path(args.worker_out))
+        return
+
+    sets = [*(TINY if args.tiny else []), *args.sets]
+    if args.device:
+        sets.append(f"train.device='{args.device}'")
+    variants = dict(parse_variant(v) for v in args.variants)
+    systems = args.systems or [*PEER_SYSTEMS, *(f"mtl-{v}" for v in variants)]
+    for s in systems + ([args.profile] if args.profile else []):
+        if s not in PEER_SYSTEMS and not (s.startswith("mtl-") and s[4:] in variants):
+            raise SystemExit(f"unknown system {s!r}: have {', '.join([*PEER_SYSTEMS, *(f'mtl-{v}' for v in variants)])}")
+    iters = max(args.iters, args.skip + 1)
+    out = Path(args.out) if args.out else None
+    log_dir = Path(args.log_dir) if args.log_dir else (
+        out.with_suffix(".logs") if out else Path(tempfile.mkdtemp(prefix="bench_speed_logs_")))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    matmul_n = args.matmul_size or (512 if args.tiny else 8192)
+    started = time.monotonic()
+
+    def limit() -> float:
+        """This row's time limit: the per-row one, or what the budget has left (<= 0: skip)."""
+        if args.budget is None:
+            return args.row_timeout
+        return min(args.row_timeout, args.budget - (time.monotonic() - started))
+
+    def spec_for(system: str, **extra) -> dict:
+        if system.startswith("mtl-"):
+            spec = dict(name=system, kind="mtl", config=args.config, sets=[*sets, *variants[system[4:]]])
+        else:
+            spec = dict(name=system, kind="peer", compile=system == "peer-compile", config=args.config, sets=sets)
+        return {**spec, "iters": iters, "skip": args.skip, **extra}
+
+    header = [f"# Training speed: mtl and a plain-PyTorch peer ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
+              "", f"Command: `python3 {' '.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])}`",
+              f"Config: `{args.config}`" + (f" with `--set {' '.join(sets)}`" if sets else ""),
+              f"Variants: " + "; ".join(f"mtl-{k} = `{' '.join(v) or '(none)'}`" for k, v in variants.items())]
+    notes: list[str] = []
+    rows: list[str] = []
+    peak = args.peak_tflops
+    if peak is None:
+        m = run_row(dict(name="matmul", kind="matmul", n=matmul_n, device=args.device, config=args.config,
+                         sets=sets), limit(), log_dir)
+        if "error" in m:
+            notes.append(f"- matmul peak: failed: {m['error']}")
+        else:
+            peak = m["tflops"]
+            header.append(f"Device: {m['device']}; torch {m['torch']}"
+                          + (f", CUDA {m['cuda']}" if m.get("cuda") else "") + f"; Python {platform.python_version()}")
+            header.append(f"MFU peak: bf16 {matmul_n}³ matmul measured in this call: {peak:.4g} TFLOP/s")
+    else:
+        header.append(f"MFU peak: given, {peak:.1f} TFLOP/s")
+    write_table(out, header, rows, notes)
+    flops_noted = False
+    for name in systems:
+        if limit() < 10:
+            rows.append(f"| {name} | skipped: --budget {args.budget:.0f} s spent | | | | | |")
+            write_table(out, header, rows, notes)
+            continue
+        r = run_row(spec_for(name), limit(), log_dir)
+        rows.append(fmt_row(name, r, peak))
+        if "error" not in r and not flops_noted:
+            header.append(f"FLOPs per iteration (Megatron's formula, mtl.core.flops): {r['flops_per_iter'] / 1e12:.4g} TFLOP; "
+                          f"{r['tokens_per_iter']:,} tokens per iteration; s/iter: median of iterations "
+                          f"{args.skip + 1}-{iters}")
+            flops_noted = True
+        if "error" not in r and r.get("note"):
+            notes.append(f"- {name}: {r['note']}")
+        print(f"{name}: " + (f"failed: {r['error']}" if "error" in r else f"{r['s_per_iter']:.3f} s/iter "
+                             f"(iters {', '.join(f'{x:.3f}' for x in r['iter_s'])}), wall {r['wall_s']:.0f} s"),
+              flush=True)
+        write_table(out, header, rows, notes)
+    if args.profile:
+        profile_out = Path(args.profile_out) if args.profile_out else (
+            out.with_suffix(".profile.md") if out else log_dir / "profile.md")
+        if limit() < 10:
+            r = {"error": f"skipped: --budget {args.budget:.0f} s spent"}
+        else:
+            r = run_row(spec_for(args.profile, profile_out=str(profile_out), name=f"profile-{args.profile}"),
+                        limit(), log_dir)
+        notes.append(f"- profile of {args.profile}: " + (
+            str(profile_out) if "error" not in r else r["error"] if r["error"].startswith("skipped") else f"failed: {r['error']}"))
+    print(write_table(out, header, rows, notes))
+
+
+# ---- the workers: one system each, in a fresh process --------------------------------------------
+def _resolved(config_path: str, sets: list[str]):
+    from mtl.core.config_io import load_config
+    from mtl.train.setup import build_tokenizer
+
+    cfg = load_config(config_path, sets)
+    return cfg.resolve(1, build_tokenizer(cfg).vocab_size)
+
+
+def _timed(step, iters: int) -> tuple[list[float], list]:
+    import torch
+
+    times, outputs = [], []
+    for _ in range(iters):
+        began = time.perf_counter()
+        outputs.append(step())
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - began)
+        print(f"iteration {len(times)}: {times[-1]:.3f} s", flush=True)
+    return times, outputs
+
+
+def _peak_mem_gib():
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return None
+
+
+def _summary(cfg, times: list[float], skip: int) -> dict:
+    from mtl.core.flops import flops_per_iteration
+
+    steady = times[skip:] or times
+    return dict(s_per_iter=statistics.median(steady), iter_s=times, n_timed=len(steady),
+                flops_per_iter=flops_per_iteration(cfg), world_size=cfg.parallel.world_size,
+                tokens_per_iter=cfg.train.global_batch_size * cfg.model.seq_length, peak_mem_gib=_peak_mem_gib())
+
+
+def worker_matmul(spec: dict) -> dict:
+    import torch
+
+    device = spec.get("device") or _resolved(spec["config"], spec["sets"]).train.device
+    n = spec["n"]
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for _ in range(5):
+        a @ b
+    sync()
+    reps = 100 if device.startswith("cuda") else 3
+    began = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync()
+    seconds = (time.perf_counter() - began) / reps
+    name = torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    return dict(tflops=2 * n**3 / seconds / 1e12, device=name, torch=torch.__version__, cuda=torch.version.cuda)
+
+
+def worker_peer(spec: dict) -> dict:
+    import torch
+
+    from peer_model import PeerTrainer
+
+    cfg = _resolved(spec["config"], spec["sets"])
+    device = torch.device(cfg.train.device)
+    trainer = PeerTrainer(cfg, device, compile_blocks=spec["compile"])
+    if spec.get("profile_out"):
+        return _profile(trainer.step, spec, f"{spec['name']} (peer_model.py)")
+    times, losses = _timed(trainer.step, spec["iters"])
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    return dict(_summary(cfg, times, spec["skip"]),
+                note=f"{n_params / 1e6:,.1f} M parameters; loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+
+
+def worker_mtl(spec: dict) -> dict:
+    import torch
+
+    from mtl.core.config_io import load_config
+    from mtl.train.loop import train
+
+    if spec.get("profile_out"):
+        from profile_step import mtl_step
+
+        step, _ = mtl_step(spec["config"], spec["sets"])
+        return _profile(step, spec, f"{spec['name']} (mtl.train.step.train_step)")
+    with tempfile.TemporaryDirectory(prefix="bench_mtl_") as logs:
+        cfg = load_config(spec["config"], [
+            *spec["sets"], f"train.iters={spec['iters']}", f"logging.dir='{logs}'", "logging.interval=1",
+            "logging.callbacks=['jsonl']", "logging.tensorboard=false", "train.eval_interval=0",
+        ])
+        result = train(cfg, progress=False)
+        rows = [json.loads(line) for line in (Path(logs) / "metrics.jsonl").read_text().splitlines()
+                if '"iter_s"' in line]
+    times = [row["iter_s"] for row in rows]
+    if len(times) != spec["iters"]:
+        raise RuntimeError(f"mtl logged {len(times)} iterations of {spec['iters']}")
+    n_params = sum(p.numel() for chunk in result.run.chunks for p in chunk.parameters())
+    losses = list(result.losses.values())
+    return dict(_summary(result.config, times, spec["skip"]),
+                note=f"{n_params / 1e6:,.1f} M parameters; loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+
+
+def _profile(step, spec: dict, title: str) -> dict:
+    from profile_step import kernel_table, profile_steps
+
+    prof = profile_steps(step, warmup=2, steps=2)
+    Path(spec["profile_out"]).write_text(kernel_table(prof, steps=2, rows=20, title=title))
+    return dict(profile=spec["profile_out"])
+
+
+def worker(spec: dict, out: Path) -> None:
+    sys.path.insert(0, str(HERE))  # peer_model, profile_step
+    kind = spec["kind"]
+    result = {"matmul": worker_matmul, "peer": worker_peer, "mtl": worker_mtl}[kind](spec)
+    out.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
