@@ -139,8 +139,10 @@ class GPTModel(nn.Module):
         if labels is not None and supports_fused_cross_entropy(self.output_layer):
             # LM head + loss in chunks of tokens: no [s, b, V/tp] logits (linear_cross_entropy.py);
             # another backend's head (or output_layer.fused_cross_entropy = False) takes the path below.
+            # train.compile compiles its chunk kernels on GPUs (on a CPU they gain nothing).
+            compile_kernels = self.config.train.compile and hidden.is_cuda
             loss = output_layer_cross_entropy(
-                self.output_layer, hidden, labels.t(), vocab_size=self.vocab_size, compile=self.config.train.compile
+                self.output_layer, hidden, labels.t(), vocab_size=self.vocab_size, compile=compile_kernels
             )  # [s, b] fp32
             return loss.t()  # [b, s]
         logits = self.output_layer(hidden)  # [s(/tp), b, h] -> [s, b, V/tp]
