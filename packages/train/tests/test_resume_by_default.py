@@ -147,3 +147,52 @@ def test_interval_minutes_saves_by_the_clock(tmp_path):
     assert committed_iterations(str(ckpt)) == [1, 2, 3]
     with pytest.raises(Exception, match="ckpt.interval_minutes = -1.0 must not be negative"):
         run([f"ckpt.save='{tmp_path / 'x'}'", "ckpt.interval_minutes=-1"])
+
+
+class CtrlCAt:
+    """A train callback (registered like a plugin's) that sends this process a real SIGINT
+    when step ``at`` is logged, as a user pressing Ctrl-C would."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def build(self, config):
+        import os
+        import signal
+
+        at = self.at
+
+        class Sink:
+            def on_step(self, step, metrics):
+                if step == at:
+                    os.kill(os.getpid(), signal.SIGINT)
+
+            def on_eval(self, step, metrics):
+                pass
+
+            def close(self):
+                pass
+
+        return Sink()
+
+    @hookimpl
+    def mtl_train_callbacks(self):
+        from mtl.core.registrations import TrainCallback
+
+        return [TrainCallback("ctrl_c", self.build)]
+
+
+@pytest.mark.parametrize("save_on_exit", [True, False])
+def test_ctrl_c_saves_its_step_unless_save_on_exit_is_false(tmp_path, save_on_exit):
+    plugin = CtrlCAt(3)
+    plugins.register_plugin(plugin, name="ctrl-c")
+    try:
+        result = run([f"ckpt.save='{tmp_path}'", f"ckpt.save_on_exit={str(save_on_exit).lower()}",
+                      "logging.callbacks=['ctrl_c']"])
+    finally:
+        plugins.unregister_plugin(plugin)
+    # the signal came after step 3's agreement between ranks: step 4 is where all stop
+    assert result.stopped_by == "signal" and result.final_iteration == 4
+    assert (tmp_path / "latest").exists() == save_on_exit
+    if save_on_exit:
+        assert (tmp_path / "latest").read_text().strip() == "4"

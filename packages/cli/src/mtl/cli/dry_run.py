@@ -11,6 +11,7 @@ from mtl.core.config_io import format_config
 from mtl.core.flops import flops_per_iteration, memory_per_gpu_bytes, parameter_count
 from mtl.core.plugins import registry
 from mtl.parallel.topology import Topology
+from mtl.train.validate import check_training_settings
 
 
 def module_tree(module: torch.nn.Module, max_depth: int = 3) -> list[str]:
@@ -64,6 +65,7 @@ def dry_run(cfg: RunConfig) -> str:
     world_size = int(os.environ.get("WORLD_SIZE", cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp))
     tokenizer = registry("tokenizer").get(cfg.data.tokenizer).build(cfg.data.tokenizer_model)
     cfg = cfg.resolve(world_size=world_size, tokenizer_vocab_size=tokenizer.vocab_size)
+    check_training_settings(cfg)  # the optimizer's and checkpoint schedule's, as training checks them
     backend = registry("backend").get(cfg.model.backend)
     family = registry("model family").get(cfg.model.family)
     with torch.device("meta"):  # shapes only: no memory, no initialisation cost

@@ -28,6 +28,7 @@ from mtl.train.progress import ProgressDisplay
 from mtl.train.setup import Run, setup
 from mtl.train.signals import StopRequest
 from mtl.train.step import eval_step, train_step
+from mtl.train.validate import check_training_settings
 
 log = get_logger(__name__)
 
@@ -100,8 +101,7 @@ def train(config: RunConfig, progress: bool = True) -> TrainResult:
     if config.ckpt.async_save and config.ckpt.format != "zarr":
         raise ConfigError(f"ckpt.async_save = true is available for ckpt.format = 'zarr' only, "
                           f"not '{config.ckpt.format}'; set ckpt.async_save = false")
-    if config.ckpt.interval_minutes < 0:
-        raise ConfigError(f"ckpt.interval_minutes = {config.ckpt.interval_minutes} must not be negative (0: off)")
+    check_training_settings(config)
     if config.ckpt.save or config.ckpt.load:
         checkpoint_format(config)  # an unknown format fails here, before any work
     run = setup(config)
