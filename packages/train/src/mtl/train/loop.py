@@ -20,7 +20,7 @@ from mtl.ckpt import latest_iteration, prune_checkpoints
 from mtl.ckpt.directory import iteration_dir
 from mtl.train.checkpointing import (checkpoint_format, has_checkpoint, load_checkpoint, save_checkpoint,
                                      starting_checkpoint)
-from mtl.train.health import LossWatch, NonFiniteError
+from mtl.train.health import LossWatch, NonFiniteError, out_of_memory_error
 from mtl.train.lr_schedule import learning_rate
 from mtl.train.metrics import throughput
 from mtl.train.precision import LossScaler
@@ -176,8 +176,11 @@ def train(config: RunConfig, progress: bool = True) -> TrainResult:
                 lr = learning_rate(t, iteration)
                 micro = train_batches.take(t.num_micro_batches)
                 watch.reset()
-                step = train_step(cfg, run.topology, run.chunks, run.optimizer,
-                                  _chunk_iterators(micro, len(run.chunks)), scaler, lr, run.device)
+                try:
+                    step = train_step(cfg, run.topology, run.chunks, run.optimizer,
+                                      _chunk_iterators(micro, len(run.chunks)), scaler, lr, run.device)
+                except torch.cuda.OutOfMemoryError as exc:
+                    raise out_of_memory_error(cfg, exc, iteration + 1, run.topology.rank) from exc
                 if run.device.type == "cuda":
                     torch.cuda.synchronize()
                 elapsed = time.perf_counter() - began
