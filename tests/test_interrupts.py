@@ -106,8 +106,11 @@ def test_a_second_ctrl_c_aborts_without_saving(tmp_path):
 
 def _children(pid: int) -> list[int]:
     found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(c) for c in (task / "children").read_text().split()]
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            found += [int(c) for c in (task / "children").read_text().split()]
+    except OSError:  # gone meanwhile
+        pass
     return found
 
 
@@ -149,9 +152,12 @@ def test_torchrun_restarts_a_job_whose_rank_was_killed_and_it_continues_exactly(
         os.kill(victims[0], signal.SIGKILL)
         output, _ = proc.communicate(timeout=120)
         straight_output, _ = straight.communicate(timeout=120)
-    finally:
-        proc.kill()
-        straight.kill()
+    finally:  # torchrun's workers run in sessions of their own: end them too if the test failed
+        for job in (proc, straight):
+            if job.poll() is None:
+                for pid in _children(job.pid):
+                    os.kill(pid, signal.SIGKILL)
+                job.kill()
     assert proc.returncode == 0, output[-4000:]  # finished by itself, on the second attempt
     assert straight.returncode == 0, straight_output[-3000:]
     restored = int(re.search(r"resuming at iteration (\d+) from", output).group(1))
