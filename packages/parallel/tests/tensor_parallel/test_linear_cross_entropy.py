@@ -32,14 +32,14 @@ class Head(torch.nn.Module):
     """embedding -> a nonlinearity -> output layer: gradients reach the head's input and,
     tied, one weight from both ends."""
 
-    def __init__(self, topo, tied: bool, sequence_parallel: bool, dtype=torch.float32):
+    def __init__(self, topo, tied: bool, sequence_parallel: bool, dtype=torch.float32, device="cpu"):
         super().__init__()
         self.topo = topo
         vp = padded(topo.tp if topo else 1)
-        self.embedding = VocabParallelEmbedding(vp, H, topology=topo, sequence_parallel=sequence_parallel, params_dtype=dtype)
-        self.output_layer = ColumnParallelLinear(
-            H, vp, bias=False, topology=topo, gather_output=False, sequence_parallel=sequence_parallel, params_dtype=dtype
-        )
+        self.embedding = VocabParallelEmbedding(vp, H, topology=topo, sequence_parallel=sequence_parallel,
+                                                params_dtype=dtype, device=device)
+        self.output_layer = ColumnParallelLinear(H, vp, bias=False, topology=topo, gather_output=False,
+                                                 sequence_parallel=sequence_parallel, params_dtype=dtype, device=device)
         if tied:
             self.output_layer.weight = self.embedding.weight
 
@@ -48,11 +48,11 @@ class Head(torch.nn.Module):
         if self.output_layer.weight is not self.embedding.weight:
             self.output_layer.load_full(head)
 
-    def forward(self, tokens, labels, fused: bool, chunk_bytes: int):
+    def forward(self, tokens, labels, fused: bool, chunk_bytes: int, compile: bool = False):
         hidden = torch.tanh(self.embedding(tokens)) * 3.0  # [s(/tp), b, h]
         if fused:
             return output_layer_cross_entropy(self.output_layer, hidden, labels.t(), vocab_size=VOCAB,
-                                              chunk_bytes=chunk_bytes).t()
+                                              chunk_bytes=chunk_bytes, compile=compile).t()
         logits = self.output_layer(hidden)
         return vocab_parallel_cross_entropy(logits, labels.t(), self.topo, vocab_size=VOCAB).t()
 
@@ -69,17 +69,18 @@ def data(seed: int = 0):
     return table, head, tokens, labels, weights
 
 
-def run_head(topo, tied, sequence_parallel, fused, chunk_bytes, dtype=torch.float32, autocast=False):
+def run_head(topo, tied, sequence_parallel, fused, chunk_bytes, dtype=torch.float32, autocast=False, device="cpu",
+             compile=False):
     """Per-token loss and full-shape gradients of the head model (every rank the same)."""
-    table, head, tokens, labels, weights = data()
+    table, head, tokens, labels, weights = (t.to(device) for t in data())
     tp = topo.tp if topo is not None else 1
-    model = Head(topo, tied, sequence_parallel, dtype)
+    model = Head(topo, tied, sequence_parallel, dtype, device)
     vp = padded(tp)
     model.load(table[:vp].to(dtype), head[:vp].to(dtype))
     fired = []
     model.output_layer.weight.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad.clone()))
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        loss = model(tokens, labels, fused, chunk_bytes)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
+        loss = model(tokens, labels, fused, chunk_bytes, compile)
     assert loss.shape == (B, S) and loss.dtype == torch.float32
     (loss * weights).sum().backward()
     assert len(fired) == 1 and torch.equal(fired[0], model.output_layer.weight.grad)  # DDP's hook fires once
@@ -90,8 +91,8 @@ def run_head(topo, tied, sequence_parallel, fused, chunk_bytes, dtype=torch.floa
             shards = [torch.empty_like(g) for _ in range(tp)]
             dist.all_gather(shards, g.contiguous(), group=group)
             grads[name] = full_from_shards(shards, 0)
-    return loss.detach().float(), {k: v.float()[:VOCAB] for k, v in grads.items()}, \
-        {k: v.float()[VOCAB:] for k, v in grads.items()}
+    return loss.detach().float().cpu(), {k: v.float()[:VOCAB].cpu() for k, v in grads.items()}, \
+        {k: v.float()[VOCAB:].cpu() for k, v in grads.items()}
 
 
 def compare(a, b, tol):
@@ -161,16 +162,16 @@ def test_bf16_autocast_and_bf16_parameters(tied):
     compare(out16, fp32, dict(rtol=5e-2, atol=5e-2))  # and both near the fp32 numbers
 
 
-def tp2_cases():
+def tp2_cases(device: str = "cpu"):
     torch.set_num_threads(1)
     topo = Topology.build(tp=2)
     diffs = {}
     for tied in (False, True):
-        ref = run_head(None, tied, False, False, 10**9)  # one process, the unfused path
+        ref = run_head(None, tied, False, False, 10**9, device=device)  # one process, the unfused path
         for sp in (False, True):
-            unfused = run_head(topo, tied, sp, False, 1)
+            unfused = run_head(topo, tied, sp, False, 1, device=device)
             for chunk_bytes in (1, 10**9):
-                fused = run_head(topo, tied, sp, True, chunk_bytes)
+                fused = run_head(topo, tied, sp, True, chunk_bytes, device=device)
                 compare(fused, unfused, FP32)  # the same layout, fused vs not
                 compare(fused, ref, FP32)  # and one process
                 assert all(torch.count_nonzero(g) == 0 for g in fused[2].values())
@@ -181,6 +182,30 @@ def tp2_cases():
 def test_fused_at_tp2_and_sequence_parallel_equals_unfused_and_one_process():
     results = run_distributed(tp2_cases, world_size=2)
     assert results[0] == results[1]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_fused_at_tp2_on_gpus_with_nccl():
+    results = run_distributed(tp2_cases, world_size=2, args=("cuda",), backend="nccl")
+    assert results[0] == results[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("tied", [False, True])
+def test_on_a_gpu_eager_and_compiled_kernels(tied):
+    """On CUDA: fp32 (TF32 off) equal to the unfused path; under bf16 autocast close to it;
+    the compiled (Triton) chunk kernels give the eager kernels' numbers."""
+    from mtl.parallel.tensor_parallel import linear_cross_entropy as lce
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for compiled in (False, True):
+        ref = run_head(None, tied, False, False, 10**9, device="cuda")
+        out = run_head(None, tied, False, True, 1, device="cuda", compile=compiled)
+        compare(out, ref, FP32)
+        ref = run_head(None, tied, False, False, 10**9, device="cuda", autocast=True)
+        out = run_head(None, tied, False, True, 10**9, device="cuda", autocast=True, compile=compiled)
+        compare(out, ref, dict(rtol=1e-2, atol=1e-3))
+    assert not lce._KERNELS._failed, "torch.compile of the chunk kernels failed"
 
 
 def padding_only_rank_case():
