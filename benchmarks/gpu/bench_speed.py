@@ -174,7 +174,11 @@ def main() -> None:
               f"Config: `{args.config}`" + (f" with `--set {' '.join(sets)}`" if sets else ""),
               f"Variants: " + "; ".join(f"mtl-{k} = `{' '.join(v) or '(none)'}`" for k, v in variants.items())]
     notes: list[str] = []
-    rows: list[str] = []
+    done: dict[str, str] = {}  # system -> its table row; the table lists them in ``systems`` order
+
+    def table_rows() -> list[str]:
+        return [done[name] for name in systems if name in done]
+
     peak = args.peak_tflops
     if peak is None:
         m = run_row(dict(name="matmul", kind="matmul", n=matmul_n, device=args.device, config=args.config,
@@ -187,16 +191,19 @@ def main() -> None:
                           + (f", CUDA {m['cuda']}" if m.get("cuda") else "") + f"; Python {platform.python_version()}")
             header.append(f"MFU peak: bf16 {matmul_n}³ matmul measured in this call: {peak:.4g} TFLOP/s")
     else:
-        header.append(f"MFU peak: given, {peak:.1f} TFLOP/s")
-    write_table(out, header, rows, notes)
+        header.append(f"MFU peak: given, {peak:.4g} TFLOP/s")
+    write_table(out, header, table_rows(), notes)
     flops_noted = False
-    for name in systems:
+    # Run the pair the acceptance compares first (compiled peer, then mtl), the eager peer last,
+    # so that a --budget that runs out costs the least useful row.
+    order = sorted(systems, key=lambda n: {"peer-compile": 0, "peer-eager": 2}.get(n, 1))
+    for name in order:
         if limit() < 10:
-            rows.append(f"| {name} | skipped: --budget {args.budget:.0f} s spent | | | | | |")
-            write_table(out, header, rows, notes)
+            done[name] = f"| {name} | skipped: --budget {args.budget:.0f} s spent | | | | | |"
+            write_table(out, header, table_rows(), notes)
             continue
         r = run_row(spec_for(name), limit(), log_dir)
-        rows.append(fmt_row(name, r, peak))
+        done[name] = fmt_row(name, r, peak)
         if "error" not in r and not flops_noted:
             header.append(f"FLOPs per iteration (Megatron's formula, mtl.core.flops): {r['flops_per_iter'] / 1e12:.4g} TFLOP; "
                           f"{r['tokens_per_iter']:,} tokens per iteration; s/iter: median of iterations "
@@ -207,7 +214,7 @@ def main() -> None:
         print(f"{name}: " + (f"failed: {r['error']}" if "error" in r else f"{r['s_per_iter']:.3f} s/iter "
                              f"(iters {', '.join(f'{x:.3f}' for x in r['iter_s'])}), wall {r['wall_s']:.0f} s"),
               flush=True)
-        write_table(out, header, rows, notes)
+        write_table(out, header, table_rows(), notes)
     if args.profile:
         profile_out = Path(args.profile_out) if args.profile_out else (
             out.with_suffix(".profile.md") if out else log_dir / "profile.md")
@@ -218,7 +225,7 @@ def main() -> None:
                         limit(), log_dir)
         notes.append(f"- profile of {args.profile}: " + (
             str(profile_out) if "error" not in r else r["error"] if r["error"].startswith("skipped") else f"failed: {r['error']}"))
-    print(write_table(out, header, rows, notes))
+    print(write_table(out, header, table_rows(), notes))
 
 
 # ---- the workers: one system each, in a fresh process --------------------------------------------

@@ -4,8 +4,9 @@ A Llama-style decoder (RMSNorm via F.rms_norm, RoPE, SDPA causal attention with 
 K/V heads, SwiGLU MLP, untied LM head), fp32 parameters under bf16 autocast, fused AdamW,
 gradient clipping at 1.0, gradient accumulation over micro-batches, ``torch.compile`` on each
 block when asked. Its shapes come from a resolved mtl ``RunConfig`` so it is the same model
-as mtl's run of that config, and Megatron's FLOP formula counts the same work for both.
-Nothing from mtl runs in the step."""
+as mtl's run of that config, and Megatron's FLOP formula counts the same work for both (its
+head has all ``padded_vocab_size`` rows, as the formula counts; the reference model's 50304
+words need no padding). Nothing from mtl runs in the step."""
 
 from __future__ import annotations
 
