@@ -168,6 +168,9 @@ class LoggingConfig:
     # auto: a live progress display on an interactive terminal, plain lines otherwise;
     # bar | lines | none force one
     progress: str = "auto"
+    wandb: bool = False  # also log to Weights & Biases (pip install 'mtl-train[wandb]'); resumed runs continue the same W&B run
+    wandb_project: str = "mtl"  # the W&B project
+    wandb_mode: str | None = None  # online | offline | disabled; unset: WANDB_MODE, else wandb's default
 
 
 SECTIONS: dict[str, type] = {

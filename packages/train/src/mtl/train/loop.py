@@ -131,7 +131,8 @@ def train(config: RunConfig, progress: bool = True) -> TrainResult:
     writer = _writes_metrics(run)
     callbacks = []
     if writer:
-        names = list(cfg.logging.callbacks) + (["tensorboard"] if cfg.logging.tensorboard else [])
+        names = (list(cfg.logging.callbacks) + (["tensorboard"] if cfg.logging.tensorboard else [])
+                 + (["wandb"] if cfg.logging.wandb else []))
         callbacks = [registry("train callback").get(name).build(cfg) for name in dict.fromkeys(names)]
 
     train_batches = MicroBatches(run.datasets["train"], cfg, run.topology, run.device, consumed)
