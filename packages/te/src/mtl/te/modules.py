@@ -50,6 +50,12 @@ def te_recipe_for(fp8: Fp8Settings | None):
     raise ConfigError(f"train.fp8 = '{fp8.recipe}' is not a recipe of the te backend (current, delayed, blockwise)")
 
 
+def fp8_shape_ok(x: torch.Tensor, recipe) -> bool:
+    """FP8 on, and TE's FP8 GEMM takes this many tokens (a multiple of 16). A KV-cache decoding
+    step (a few tokens) runs in the compute precision instead: TE refuses it otherwise."""
+    return recipe is not None and (x.numel() // x.shape[-1]) % 16 == 0
+
+
 def sum_grad_over_tp(param: nn.Parameter, tp_group) -> None:
     """Sum ``param``'s gradient over TP (once per parameter, however many modules use it)."""
     if tp_group is None or getattr(param, "_mtl_tp_grad_sum", False):
@@ -86,7 +92,7 @@ class _Fp8Forward:
         self._amax_group = tp_group
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
-        if self._te_recipe is None:
+        if not fp8_shape_ok(x, self._te_recipe):
             return super().forward(x, *args, **kwargs)
         with te.autocast(enabled=True, recipe=self._te_recipe, amax_reduction_group=self._amax_group):
             return super().forward(x, *args, **kwargs)
@@ -203,7 +209,7 @@ class TENormMLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[s(/tp), b, h] (un-normalised) -> [s(/tp), b, h]."""
-        if self._te_recipe is None:
+        if not fp8_shape_ok(hidden, self._te_recipe):
             return self.fused(hidden)
         with te.autocast(enabled=True, recipe=self._te_recipe, amax_reduction_group=self._amax_group):
             return self.fused(hidden)
