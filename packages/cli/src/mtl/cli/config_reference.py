@@ -77,7 +77,7 @@ MEANINGS = {
     "train.adam_beta2": "AdamW beta2",
     "train.adam_eps": "AdamW epsilon",
     "train.clip_grad": "clip the global gradient norm to this (0: no clipping)",
-    "train.precision": "fp32, bf16 or fp16 compute (fp32 parameters and main gradients)",
+    "train.precision": "fp32, bf16 or fp16 compute (the weights: train.params_dtype)",
     "train.seed": "seed of the weights, dropout and data order",
     "train.eval_interval": "evaluate on the valid split every N steps (0: never)",
     "train.eval_iters": "batches per evaluation",

@@ -116,6 +116,9 @@ class TrainConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     precision: str = "fp32"
+    # derived: = precision: bf16/fp16 weights, with fp32 main weights and gradients in the
+    # optimizer (Megatron's layout); "fp32" keeps fp32 weights and casts them under autocast
+    params_dtype: str | None = None
     # FP8 GEMMs in the transformer layers (the backend's; see mtl.core.registrations.Fp8Settings):
     # none | current | delayed | rowwise | blockwise, as the selected backend implements them.
     fp8: str = "none"
@@ -359,6 +362,13 @@ def _resolve_model(m: ModelConfig, p: ParallelConfig, tokenizer_vocab_size: int 
 def _resolve_train(t: TrainConfig, p: ParallelConfig) -> None:
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ConfigError("train.micro_batch_size and train.global_batch_size must be at least 1")
+    if t.params_dtype is None:
+        t.params_dtype = t.precision
+    if t.params_dtype not in ("fp32", t.precision):
+        raise ConfigError(
+            f"train.params_dtype = {t.params_dtype!r} with train.precision = {t.precision!r}: the weights "
+            f"are either '{t.precision}' (fp32 main weights in the optimizer) or 'fp32' (autocast)"
+        )
     per_step = t.micro_batch_size * p.dp
     if t.global_batch_size % per_step:
         raise ConfigError(

@@ -179,7 +179,10 @@ def gather_global_state(model: nn.Module, topology, *, grads: bool = False) -> d
     for entry in parameter_entries(model, topology):
         if grads and not entry.param.requires_grad:  # a backend's state (an FP8 amax history)
             continue
-        source = entry.param.grad if grads else entry.param.data
+        # bf16/fp16 weights accumulate their gradients in fp32 ``main_grad`` (DataParallel)
+        grad = getattr(entry.param, "main_grad", None)
+        grad = grad if grad is not None else entry.param.grad
+        source = grad if grads else entry.param.data
         if source is None:
             raise ParallelError(f"parameter {entry.name} has no gradient; run backward first")
         source = source.detach()

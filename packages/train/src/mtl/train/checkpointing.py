@@ -29,6 +29,7 @@ from mtl.core.errors import CheckpointError
 from mtl.core.log import get_logger
 from mtl.core.plugins import registry
 from mtl.models.param_layout import ParamEntry, parameter_entries
+from mtl.parallel.optimizer.adamw_shell import MAIN_PARAM
 from mtl.parallel.random import get_rng_tracker
 from mtl.parallel.topology import Topology
 
@@ -78,8 +79,16 @@ def model_sharded_state(chunks: list, topology: Topology) -> dict[str, ShardedTe
     return state
 
 
+def _state_key(entry: ParamEntry, name: str) -> str:
+    """Moments are ``optimizer.<param>.<moment>``; fp32 main weights (bf16/fp16 weights) are
+    stored as the model's weights themselves, so every precision layout reads every checkpoint."""
+    return f"model.{entry.global_name}" if name == MAIN_PARAM else f"optimizer.{entry.global_name}.{name}"
+
+
 def optimizer_save_state(optimizer, topology: Topology, chunks: list) -> dict[str, ShardedTensor]:
-    """Both AdamW moments of every parameter, whole and in the parameter's global shape.
+    """Both AdamW moments of every parameter, whole and in the parameter's global shape, and
+    the fp32 main weights where the optimizer keeps them (under the model's keys: they replace
+    the lower-precision copy ``model_sharded_state`` describes).
 
     A collective under the distributed optimizer (it gathers each bucket's moments over dp x
     cp); a rank keeps a copy only of the tensors it writes and describes the rest by shape."""
@@ -93,21 +102,25 @@ def optimizer_save_state(optimizer, topology: Topology, chunks: list) -> dict[st
             data = entry.view(tensor)
             if optimizer.is_dp_sharded:  # views of a gathered bucket, gone after this step
                 data = data.clone() if replica_id == 0 else torch.zeros((), dtype=data.dtype).expand(data.shape)
-            key = f"optimizer.{entry.global_name}.{moment}"
+            key = _state_key(entry, moment)
             state[key] = ShardedTensor(key, data, entry.global_shape, entry.global_offset, replica_id)
     return state
 
 
-def optimizer_load_template(optimizer, topology: Topology, chunks: list) -> dict[str, list[ShardedTensor]]:
-    """The live moments this rank updates, as boxes of the stored global tensors: loading
-    fills the optimizer state in place, reading only this rank's elements (its flat shard
-    under the distributed optimizer, split into boxes by ``mtl.ckpt.flat_range``)."""
+def optimizer_load_template(optimizer, topology: Topology, chunks: list,
+                            names: tuple[str, ...] | None = None) -> dict[str, list[ShardedTensor]]:
+    """The live moments this rank updates (and fp32 main weights, read from the model's
+    keys), as boxes of the stored global tensors: loading fills the optimizer state in place,
+    reading only this rank's elements (its flat shard under the distributed optimizer, split
+    into boxes by ``mtl.ckpt.flat_range``). ``names`` limits it to some of them."""
     entries = {id(entry.param): entry for entry in _entries(chunks, topology)}
     template: dict[str, list[ShardedTensor]] = {}
     for piece in optimizer.state_pieces():
         entry = entries[id(piece.source)]
         for moment, flat in piece.moments.items():
-            key = f"optimizer.{entry.global_name}.{moment}"
+            if names is not None and moment not in names:
+                continue
+            key = _state_key(entry, moment)
             template.setdefault(key, []).extend(flat_range_shards(
                 key, flat, entry.local_shape, entry.global_offset, entry.global_shape, piece.first,
                 limit_rows=entry.valid_rows,
@@ -332,9 +345,13 @@ def load_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimiz
     same_rng = load_optimizer and _same_rng_layout(metadata, config, topology, chunks)
     if load_optimizer:
         template.update(optimizer_load_template(optimizer, topology, chunks))
+    elif optimizer.has_main_params:  # weights only: straight into the fp32 main weights
+        template.update(optimizer_load_template(optimizer, topology, chunks, names=(MAIN_PARAM,)))
     if same_rng:
         template.update(rng_sharded_state(topology))
     checkpoint_format(config).load(template, directory, iteration)
+    if optimizer.has_main_params:  # the model's bf16/fp16 weights from the loaded main weights
+        optimizer.publish_main_weights()
     if same_rng:
         _restore_rng_states({key: value.data.view(-1).clone() for key, value in template.items()
                              if key.startswith("rng.")})

@@ -17,6 +17,7 @@ from mtl.parallel.random import seed_everything as seed_rng_streams
 from mtl.parallel.topology import Topology
 from mtl.train.checkpointing import check_checkpoint_dirs
 from mtl.train.compile import compile_regions
+from mtl.train.precision import DTYPES
 
 log = get_logger(__name__)
 
@@ -64,10 +65,22 @@ def build_model_chunks(config: RunConfig, topology: Topology, device: torch.devi
             config, topology, backend,
             pre_process=first_virtual, post_process=last_virtual, layer_range=layer_range,
         )
-        chunks.append(model.to(device))
+        chunks.append(cast_weights(model.to(device), config.train.params_dtype))
     if config.train.compile:
         compile_regions(chunks)
     return chunks
+
+
+def cast_weights(model: torch.nn.Module, params_dtype: str) -> torch.nn.Module:
+    """bf16/fp16 weights (``train.params_dtype``) from the fp32 ones initialisation made, so
+    every layout starts from the same rounded values; the optimizer keeps fp32 main copies.
+    Non-trainable state (e.g. an FP8 backend's amax history) keeps its dtype."""
+    dtype = DTYPES[params_dtype]
+    if dtype != torch.float32:
+        for param in model.parameters():
+            if param.requires_grad and param.is_floating_point():
+                param.data = param.data.to(dtype)
+    return model
 
 
 def wrap_data_parallel(config: RunConfig, topology: Topology, chunks: list[torch.nn.Module]):
@@ -81,6 +94,8 @@ def wrap_data_parallel(config: RunConfig, topology: Topology, chunks: list[torch
             overlap_grad_reduce=p.overlap_grad_reduce,
             use_distributed_optimizer=p.distributed_optimizer,
             overlap_param_gather=p.overlap_param_gather,
+            # bf16/fp16 weights: gradients accumulate and reduce in fp32 (param.main_grad)
+            grad_dtype=torch.float32,
         )
         for chunk in chunks
     ]

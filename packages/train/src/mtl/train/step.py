@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from mtl.core.config import RunConfig
 from mtl.parallel.topology import Topology
-from mtl.train.precision import LossScaler, autocast
+from mtl.parallel.ddp import accumulated_grad
+from mtl.train.precision import DTYPES, LossScaler, autocast
 
 
 @dataclass
@@ -23,16 +24,17 @@ class StepResult:
 def _forward_step_factory(config: RunConfig, device: torch.device, loss_scale: float):
     """The schedule's ``forward_step``: run a chunk on the next micro-batch, return its output
     and a loss function (used on the last stage only)."""
+    stream_dtype = DTYPES[config.train.params_dtype]
 
     def forward_step(batches, model_chunk):
         batch = next(batches)
         with autocast(config.train.precision, device):
             output = model_chunk(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"])
-        # Parameters stay fp32 and bf16/fp16 come from autocast, so the residual stream a stage
-        # hands to the next is fp32; a backend that returns less is widened, never the stream
-        # rounded (pipelined runs would then differ from one GPU).
-        if output.dtype != torch.float32:
-            output = output.float()
+        # The residual stream a stage hands to the next has the weights' dtype (fp32 weights
+        # under autocast keep an fp32 stream; bf16 weights a bf16 one, as in one process); a
+        # backend that returns another dtype is cast to it, so every split sends the same bytes.
+        if not getattr(model_chunk, "post_process", False) and output.dtype != stream_dtype:
+            output = output.to(stream_dtype)
 
         def loss_func(per_token_loss):
             mask = batch["loss_mask"]
@@ -73,7 +75,7 @@ def _run_schedule(config, topology, chunks, batches_per_chunk, forward_step, for
         chunks,
         num_micro_batches=config.train.num_micro_batches,
         tensor_shape=_tensor_shape(config),
-        dtype=torch.float32,  # what every stage sends: see forward_step
+        dtype=DTYPES[config.train.params_dtype],  # what every stage sends: see forward_step
         topology=topology,
         forward_only=forward_only,
         no_sync_func=None if forward_only else no_sync,
@@ -106,8 +108,9 @@ def train_step(config: RunConfig, topology: Topology, chunks: list, optimizer, b
 
     if scaler.scale != 1.0:
         for p in optimizer.model_params:
-            if p.grad is not None:
-                p.grad.mul_(1.0 / scaler.scale)
+            grad = accumulated_grad(p)
+            if grad is not None:
+                grad.mul_(1.0 / scaler.scale)
     max_norm = config.train.clip_grad if config.train.clip_grad > 0 else float("inf")
     grad_norm = float(optimizer.clip_grad_norm(max_norm))
     found_inf = not torch.isfinite(torch.tensor(grad_norm)).item()

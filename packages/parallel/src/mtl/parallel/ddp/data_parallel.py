@@ -61,7 +61,10 @@ class DataParallel(nn.Module):
         overlap_grad_reduce: bool = True,
         use_distributed_optimizer: bool = False,
         overlap_param_gather: bool = False,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
+        """``grad_dtype`` (e.g. fp32 under bf16 weights) accumulates and reduces gradients in
+        that dtype, in ``param.main_grad``; None keeps them in the parameters' dtype."""
         super().__init__()
         if not bucket_size_mb > 0:
             raise ParallelError(
@@ -98,6 +101,7 @@ class DataParallel(nn.Module):
                     bucket_size_numel=max(1, int(bucket_size_mb * 2**20 / element_size)),
                     num_shards=self.group_size,
                     with_param_buffer=use_distributed_optimizer,
+                    grad_dtype=grad_dtype,
                 )
             )
         # One launch order for every rank (NCCL needs collectives in the same order everywhere).
@@ -177,6 +181,9 @@ class DataParallel(nn.Module):
 
     def _on_grad_accumulated(self, param: nn.Parameter) -> None:
         buf, slot = self._owner[id(param)]
+        if buf.uses_main_grad:  # this micro-batch's gradient, in the weights' dtype, into fp32
+            param.main_grad.add_(param.grad)
+            param.grad = None
         if not buf.grad_is_attached(slot):
             raise ParallelError(
                 f"gradient of '{slot.name}' no longer lives in the DataParallel buffer (something set "

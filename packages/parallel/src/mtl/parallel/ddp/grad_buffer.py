@@ -5,6 +5,11 @@ their gradients, so the first bucket fills first and its collective can start wh
 still runs. Each ``param.grad`` is a view into ``grad_data`` (set before the first backward,
 so autograd accumulates in place).
 
+With a ``grad_dtype`` wider than the parameters' (bf16/fp16 weights, fp32 gradients:
+Megatron's precision layout) the view is ``param.main_grad`` instead: autograd leaves each
+micro-batch's gradient in ``param.grad`` in the weights' dtype, and ``DataParallel`` adds it
+into ``main_grad`` and frees it, so gradients accumulate over micro-batches in fp32.
+
 With the distributed optimizer every bucket is padded to a multiple of the shard count (the
 data-parallel x context-parallel size): a bucket of ``n`` elements is reduce-scattered so
 that shard rank ``r`` holds the averaged gradient of ``[r*n/N, (r+1)*n/N)`` of that bucket,
@@ -77,6 +82,13 @@ class Bucket:
         self.launched = False
 
 
+def accumulated_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """The gradient an optimizer, clipping or unscaling works on: ``param.main_grad`` where a
+    ``GradBuffer`` accumulates in a wider dtype than the weights, else ``param.grad``."""
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if main_grad is not None else param.grad
+
+
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -91,6 +103,7 @@ class GradBuffer:
         bucket_size_numel: int,
         num_shards: int,
         with_param_buffer: bool,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         if not named_params:
             raise ParallelError("GradBuffer needs at least one parameter that requires grad")
@@ -101,7 +114,9 @@ class GradBuffer:
                 f"one GradBuffer holds one dtype on one device, got dtypes {sorted(map(str, dtypes))} "
                 f"on devices {sorted(map(str, devices))}; move the module to one device first"
             )
-        self.dtype = dtypes.pop()
+        self.param_dtype = dtypes.pop()
+        self.dtype = grad_dtype if grad_dtype is not None else self.param_dtype  # of the gradients
+        self.uses_main_grad = self.dtype != self.param_dtype
         self.device = devices.pop()
         self.num_shards = num_shards
         # Padding only matters when buckets are sharded over ranks (the distributed optimizer).
@@ -132,7 +147,7 @@ class GradBuffer:
         if with_param_buffer:
             # Parameters become views of one flat tensor so a rank's shard of the update can be
             # all-gathered straight into every parameter.
-            self.param_data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+            self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=self.device)
             with torch.no_grad():
                 for s in slots:
                     view = self.param_data[s.start : s.end].view_as(s.param)
@@ -156,12 +171,17 @@ class GradBuffer:
         return self.grad_data[slot.start : slot.end].view_as(slot.param)
 
     def attach_grads(self) -> None:
-        """Point every ``param.grad`` at its slice of the buffer (again, if someone replaced it)."""
+        """Point every ``param.grad`` (``param.main_grad`` with a wider gradient dtype) at its
+        slice of the buffer (again, if someone replaced it)."""
         for s in self.slots:
-            s.param.grad = self.grad_view(s)
+            if self.uses_main_grad:
+                s.param.main_grad = self.grad_view(s)
+                s.param.grad = None
+            else:
+                s.param.grad = self.grad_view(s)
 
     def grad_is_attached(self, slot: ParamSlot) -> bool:
-        grad = slot.param.grad
+        grad = slot.param.main_grad if self.uses_main_grad else slot.param.grad
         return grad is not None and grad.data_ptr() == self.grad_data[slot.start : slot.end].data_ptr()
 
     def owned_ranges(self, shard_rank: int) -> list[tuple[ParamSlot, int, int]]:

@@ -19,12 +19,28 @@ from mtl.parallel.topology import Topology
 @dataclass(eq=False)
 class StateEntry:
     """One tensor AdamW updates: ``piece`` is ``source.view(-1)[first:first + piece.numel()]``
-    (the whole ``source`` for the replicated optimizer, this rank's shard for the distributed one)."""
+    (the whole ``source`` for the replicated optimizer, this rank's shard for the distributed one).
+
+    Under bf16/fp16 weights ``piece`` is instead an fp32 main copy of that range (its grad the
+    fp32 ``main_grad``), and ``model_view`` the weights' own storage of the same range, which
+    receives the updated main values after every step."""
 
     piece: nn.Parameter
     source: nn.Parameter
     name: str
     first: int
+    model_view: torch.Tensor | None = None
+
+
+def main_copy(model_range: torch.Tensor, grad: torch.Tensor) -> nn.Parameter:
+    """An fp32 main parameter for ``model_range`` (lower-precision weights), with ``grad``
+    (the fp32 accumulated gradient of the same range) as its gradient."""
+    piece = nn.Parameter(model_range.detach().float().clone())
+    piece.grad = grad
+    return piece
+
+
+MAIN_PARAM = "main_param"  # the fp32 main weights, described for checkpoints like a moment
 
 
 def check_hyperparameters(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
@@ -58,6 +74,28 @@ class AdamWShell:
             [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=lr, betas=tuple(betas), eps=eps, fused=True if fused else None,
         )
+
+    @property
+    def has_main_params(self) -> bool:
+        """True when AdamW updates fp32 main copies of lower-precision model weights."""
+        return any(e.model_view is not None for e in self.entries)
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """What ``state_pieces``/``full_moments`` describe: the moments, and the main weights
+        where they exist (a checkpoint stores those as the model's weights, in fp32)."""
+        return MOMENTS + ((MAIN_PARAM,) if self.has_main_params else ())
+
+    @torch.no_grad()
+    def copy_main_to_model(self) -> None:
+        """The updated (or loaded) main weights into the model's lower-precision weights."""
+        pairs = [(e.model_view, e.piece) for e in self.entries if e.model_view is not None]
+        if pairs:
+            torch._foreach_copy_([m for m, _ in pairs], [p.detach().view_as(m) for m, p in pairs])
+
+    def publish_main_weights(self) -> None:
+        """Make every model weight equal its (loaded or updated) main weight on every rank."""
+        self.copy_main_to_model()
 
     @property
     def param_groups(self) -> list[dict]:
@@ -98,7 +136,10 @@ class AdamWShell:
         pieces = []
         for e in self.entries:
             state = ensure_adamw_state(self.inner, e.piece)
-            pieces.append(MomentPiece(e.source, e.name, e.first, {m: state[m].view(-1) for m in MOMENTS}))
+            moments = {m: state[m].view(-1) for m in MOMENTS}
+            if e.model_view is not None:
+                moments[MAIN_PARAM] = e.piece.detach().view(-1)
+            pieces.append(MomentPiece(e.source, e.name, e.first, moments))
         return pieces
 
     def full_moments(self) -> Iterator[tuple[nn.Parameter, dict[str, torch.Tensor]]]:
@@ -106,7 +147,10 @@ class AdamWShell:
         ``state_layout``. Subclasses whose state is sharded override this."""
         for e in self.entries:
             state = ensure_adamw_state(self.inner, e.piece)
-            yield e.source, {m: state[m] for m in MOMENTS}
+            moments = {m: state[m] for m in MOMENTS}
+            if e.model_view is not None:
+                moments[MAIN_PARAM] = e.piece.detach()
+            yield e.source, moments
 
     def common_state(self) -> dict:
         """What every rank holds alike: the number of steps taken."""

@@ -24,8 +24,7 @@ from torch import nn
 
 from mtl.core.errors import ParallelError
 from mtl.parallel.ddp import DataParallel
-from mtl.parallel.optimizer.adamw_shell import AdamWShell, StateEntry
-from mtl.parallel.optimizer.state_layout import MOMENTS
+from mtl.parallel.optimizer.adamw_shell import AdamWShell, StateEntry, main_copy
 from mtl.parallel.topology import Topology
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -36,10 +35,15 @@ def _shard_entries(chunks: list[DataParallel]) -> list[StateEntry]:
     for c, chunk in enumerate(chunks):
         for buf in chunk.buffers_by_dtype:
             for slot, first, last in buf.owned_ranges(chunk.group_rank):
-                piece = nn.Parameter(buf.param_data[slot.start + first : slot.start + last])
-                piece.grad = buf.grad_data[slot.start + first : slot.start + last]
+                params = buf.param_data[slot.start + first : slot.start + last]
+                grads = buf.grad_data[slot.start + first : slot.start + last]
                 name = slot.name if len(chunks) == 1 else f"chunk{c}.{slot.name}"
-                entries.append(StateEntry(piece, slot.param, name, first))
+                if buf.uses_main_grad:  # bf16/fp16 weights: AdamW updates an fp32 main shard
+                    entries.append(StateEntry(main_copy(params, grads), slot.param, name, first, model_view=params))
+                else:
+                    piece = nn.Parameter(params)
+                    piece.grad = grads
+                    entries.append(StateEntry(piece, slot.param, name, first))
     return entries
 
 
@@ -66,6 +70,12 @@ class DistributedOptimizer(AdamWShell):
             # last step's update into the shard this step writes.
             chunk.finish_param_sync()
         self.inner.step()
+        self.publish_main_weights()
+
+    def publish_main_weights(self) -> None:
+        """This rank's updated shard into the weights, then the all-gather that spreads every
+        shard (returns at once with overlap_param_gather: forwards wait)."""
+        self.copy_main_to_model()
         for chunk in self.chunks:
             chunk.gather_params()  # returns at once with overlap_param_gather: forwards wait
 
@@ -80,7 +90,7 @@ class DistributedOptimizer(AdamWShell):
                 for bucket in buf.buckets:
                     lo, hi = bucket.shard_range(chunk.group_rank)
                     gathered = {}
-                    for moment in MOMENTS:
+                    for moment in self.state_names:
                         shard = torch.zeros(hi - lo, dtype=buf.dtype, device=buf.device)
                         for slot in bucket.slots:  # this rank's piece of each parameter it owns
                             piece = pieces.get(id(slot.param))

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mtl.core.errors import MtlError, ParallelError
+from mtl.parallel.ddp.grad_buffer import accumulated_grad
 from mtl.parallel.topology import Topology
 
 # As torch.nn.utils.clip_grad_norm_: keeps the coefficient finite for a zero norm.
@@ -30,13 +31,14 @@ CLIP_EPS = 1e-6
 
 
 def _counted_grad(param: nn.Parameter, topology: Topology, grads_are_dp_sharded: bool) -> torch.Tensor | None:
-    """The part of ``param.grad`` this rank contributes to the norm (None: nothing)."""
+    """The part of the gradient (``accumulated_grad``) this rank contributes to the norm
+    (None: nothing)."""
     if getattr(param, "tp_split_dim", None) is None and topology.tp_rank != 0:
         return None
     if getattr(param, "shared_embedding", False) and not topology.is_first_stage:
         return None
     if not grads_are_dp_sharded:
-        return param.grad
+        return accumulated_grad(param)
     owned = getattr(param, "dp_owned_grad_range", None)
     if owned is None:
         raise ParallelError(
@@ -45,7 +47,7 @@ def _counted_grad(param: nn.Parameter, topology: Topology, grads_are_dp_sharded:
             "distributed optimizer enabled or pass grads_are_dp_sharded=False"
         )
     first, last = owned
-    return param.grad.reshape(-1)[first:last]
+    return accumulated_grad(param).reshape(-1)[first:last]
 
 
 def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -62,15 +64,15 @@ def _collective_device(fallback: torch.device | None = None) -> torch.device:
 
 def global_grad_norm(params, topology: Topology, grads_are_dp_sharded: bool = False) -> torch.Tensor:
     """The L2 norm of the whole model's gradient, the same fp32 scalar on every rank."""
-    unique = list({id(p): p for p in params if p.grad is not None}.values())
+    unique = list({id(p): p for p in params if accumulated_grad(p) is not None}.values())
     counted = [_counted_grad(p, topology, grads_are_dp_sharded) for p in unique]
     grads = [g for g in counted if g is not None]
     # Gradients not counted (copies of ones another rank counts) still take part with weight
     # 0: finite -> +0, inf/NaN -> NaN, so any non-finite element anywhere shows in the result.
-    uncounted = [p.grad for p, g in zip(unique, counted) if g is None]
+    uncounted = [accumulated_grad(p) for p, g in zip(unique, counted) if g is None]
     # A rank may hold no gradient here (a distributed-optimizer rank whose shards are all
     # padding); it still joins the all-reduce, on the device NCCL needs.
-    device = unique[0].grad.device if unique else _collective_device()
+    device = accumulated_grad(unique[0]).device if unique else _collective_device()
     squares = torch.zeros((), dtype=torch.float32, device=device)
     if grads:
         squares = squares + _sum_of_squares(grads)
@@ -93,13 +95,13 @@ def clip_grad_norm(params, max_norm: float, topology: Topology, grads_are_dp_sha
     ``max_norm = inf`` to only measure."""
     if not max_norm > 0:
         raise ParallelError(f"clip_grad_norm max_norm = {max_norm!r} must be > 0 (train.clip_grad; use inf to only measure)")
-    params = list({id(p): p for p in params if p.grad is not None}.values())
+    params = list({id(p): p for p in params if accumulated_grad(p) is not None}.values())
     total = global_grad_norm(params, topology, grads_are_dp_sharded)
     total_value = total.item()
     if math.isfinite(total_value) and math.isfinite(max_norm):
         coef = max_norm / (total_value + CLIP_EPS)
         if coef < 1.0 and params:
-            torch._foreach_mul_([p.grad for p in params], coef)
+            torch._foreach_mul_([accumulated_grad(p) for p in params], coef)
     return total_value
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from mtl.parallel.ddp import DataParallel
-from mtl.parallel.optimizer.adamw_shell import AdamWShell, StateEntry
+from mtl.parallel.optimizer.adamw_shell import AdamWShell, StateEntry, main_copy
 from mtl.parallel.topology import Topology
 
 
@@ -17,7 +17,12 @@ def _chunk_entries(chunks: list[nn.Module]) -> list[StateEntry]:
         for name, param in module.named_parameters():
             if param.requires_grad and id(param) not in seen:
                 seen.add(id(param))
-                entries.append(StateEntry(param, param, name if len(chunks) == 1 else f"chunk{c}.{name}", 0))
+                name = name if len(chunks) == 1 else f"chunk{c}.{name}"
+                main_grad = getattr(param, "main_grad", None)  # lower-precision weights (DataParallel)
+                if main_grad is None:
+                    entries.append(StateEntry(param, param, name, 0))
+                else:
+                    entries.append(StateEntry(main_copy(param, main_grad), param, name, 0, model_view=param.data))
     return entries
 
 
@@ -36,6 +41,7 @@ class ReplicatedOptimizer(AdamWShell):
             if isinstance(chunk, DataParallel):
                 chunk.finish_grad_sync()  # a no-op when the training loop already did it
         self.inner.step()
+        self.copy_main_to_model()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for chunk in self.chunks:
