@@ -48,11 +48,11 @@ class Head(torch.nn.Module):
         if self.output_layer.weight is not self.embedding.weight:
             self.output_layer.load_full(head)
 
-    def forward(self, tokens, labels, fused: bool, chunk_bytes: int, compile: bool = False):
+    def forward(self, tokens, labels, fused: bool, chunk_bytes: int, compile: bool = False, save_logits=None):
         hidden = torch.tanh(self.embedding(tokens)) * 3.0  # [s(/tp), b, h]
         if fused:
             return output_layer_cross_entropy(self.output_layer, hidden, labels.t(), vocab_size=VOCAB,
-                                              chunk_bytes=chunk_bytes, compile=compile).t()
+                                              chunk_bytes=chunk_bytes, compile=compile, save_logits=save_logits).t()
         logits = self.output_layer(hidden)
         return vocab_parallel_cross_entropy(logits, labels.t(), self.topo, vocab_size=VOCAB).t()
 
@@ -70,7 +70,7 @@ def data(seed: int = 0):
 
 
 def run_head(topo, tied, sequence_parallel, fused, chunk_bytes, dtype=torch.float32, autocast=False, device="cpu",
-             compile=False):
+             compile=False, save_logits=None):
     """Per-token loss and full-shape gradients of the head model (every rank the same)."""
     table, head, tokens, labels, weights = (t.to(device) for t in data())
     tp = topo.tp if topo is not None else 1
@@ -80,7 +80,7 @@ def run_head(topo, tied, sequence_parallel, fused, chunk_bytes, dtype=torch.floa
     fired = []
     model.output_layer.weight.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad.clone()))
     with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
-        loss = model(tokens, labels, fused, chunk_bytes, compile)
+        loss = model(tokens, labels, fused, chunk_bytes, compile, save_logits)
     assert loss.shape == (B, S) and loss.dtype == torch.float32
     (loss * weights).sum().backward()
     assert len(fired) == 1 and torch.equal(fired[0], model.output_layer.weight.grad)  # DDP's hook fires once
@@ -113,11 +113,12 @@ def test_chunk_rows():
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_fused_equals_unfused_in_one_process(tied):
+    ref = run_head(None, tied, False, False, 10**9)
     for chunk_bytes in (1, 10**9):  # chunks of 64 rows (96 tokens: two); and one chunk
-        ref = run_head(None, tied, False, False, chunk_bytes)
-        out = run_head(None, tied, False, True, chunk_bytes)
-        compare(out, ref, FP32)
-        assert all(torch.count_nonzero(g) == 0 for g in out[2].values())  # padding rows: no gradient
+        for save_logits in (None, True):  # fp32: recomputed in backward by default; or kept
+            out = run_head(None, tied, False, True, chunk_bytes, save_logits=save_logits)
+            compare(out, ref, FP32)
+            assert all(torch.count_nonzero(g) == 0 for g in out[2].values())  # padding rows: no gradient
 
 
 def test_fused_in_several_chunks_equals_unfused():
@@ -153,8 +154,10 @@ def test_bf16_autocast_and_bf16_parameters(tied):
     ref = run_head(None, tied, False, False, 10**9, autocast=True)
     one = run_head(None, tied, False, True, 10**9, autocast=True)
     compare(one, ref, dict(rtol=1e-5, atol=1e-5))
-    several = run_head(None, tied, False, True, 1, autocast=True)
+    several = run_head(None, tied, False, True, 1, autocast=True)  # logits kept for backward (16-bit)
     compare(several, ref, dict(rtol=2e-2, atol=2e-2))
+    recomputed = run_head(None, tied, False, True, 1, autocast=True, save_logits=False)
+    compare(recomputed, several, dict(rtol=1e-5, atol=1e-5))  # the same numbers either way
     ref16 = run_head(None, tied, False, False, 10**9, dtype=torch.bfloat16)
     out16 = run_head(None, tied, False, True, 1, dtype=torch.bfloat16)
     compare(out16, ref16, dict(rtol=2e-2, atol=2e-2))
@@ -170,12 +173,12 @@ def tp2_cases(device: str = "cpu"):
         ref = run_head(None, tied, False, False, 10**9, device=device)  # one process, the unfused path
         for sp in (False, True):
             unfused = run_head(topo, tied, sp, False, 1, device=device)
-            for chunk_bytes in (1, 10**9):
-                fused = run_head(topo, tied, sp, True, chunk_bytes, device=device)
+            for chunk_bytes, save_logits in ((1, False), (1, True), (10**9, None)):
+                fused = run_head(topo, tied, sp, True, chunk_bytes, device=device, save_logits=save_logits)
                 compare(fused, unfused, FP32)  # the same layout, fused vs not
                 compare(fused, ref, FP32)  # and one process
                 assert all(torch.count_nonzero(g) == 0 for g in fused[2].values())
-                diffs[(tied, sp, chunk_bytes)] = (fused[0] - ref[0]).abs().max().item()
+                diffs[(tied, sp, chunk_bytes, save_logits)] = (fused[0] - ref[0]).abs().max().item()
     return diffs
 
 
