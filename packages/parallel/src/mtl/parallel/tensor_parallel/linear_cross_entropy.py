@@ -1,6 +1,7 @@
 """The LM head fused with the vocab-parallel cross-entropy: ``loss = CE(x Wᵀ, target)``
-computed in chunks of tokens, so neither the ``[tokens, V/tp]`` logits nor their fp32 copy,
-softmax or gradient ever exist for the whole micro-batch at once.
+computed in chunks of tokens, so the fp32 logits, softmax and gradient never exist for the
+whole micro-batch at once (the compute-dtype logits are kept whole only where that pays, see
+``save_logits`` below).
 
 Forward, per chunk of tokens: the logits GEMM in the compute dtype (autocast's, else the
 inputs'), then in fp32 this rank's log-sum-exp over its real vocabulary columns and the
@@ -23,9 +24,9 @@ them, chosen by ``save_logits`` (default: by dtype and size):
 
 - keep them (the default for 16-bit compute up to ``MAX_SAVED_LOGITS_BYTES``, the fastest):
   the forward GEMMs write into one ``[tokens, V/tp]`` buffer in the compute dtype, which
-  backward reads: 3 GEMMs like the unfused path, and a quarter of the memory the unfused path
-  keeps (its fp32 softmax) and never its fp32 temporaries: 0.8 GB instead of 3.3+ GB for the
-  reference model's micro-batch;
+  backward reads: 3 GEMMs like the unfused path, which keeps twice that (its fp32 softmax)
+  and passes through fp32 copies of the whole micro-batch besides: 0.8 GB kept for the
+  reference model's micro-batch instead of 1.6 GB kept and 3.3+ GB at its peak;
 - recompute them (fp32 compute, where keeping them would cost what the unfused path keeps,
   or logits larger than the bound, e.g. a 256k vocabulary): one extra GEMM (about 2% of the
   reference model's FLOPs), and only ``x`` (which the plain linear saves too), the
