@@ -13,7 +13,8 @@ table goes on:
   ``torch.compile`` on each block;
 - ``mtl-<variant>``: ``mtl.train.loop.train`` on the config with the variant's ``--set``
   overrides (``--variants eager compile`` by default: ``train.compile=false`` / ``true``;
-  custom: ``NAME:KEY=VALUE;KEY=VALUE``).
+  custom: ``NAME:KEY=VALUE;KEY=VALUE``; the pseudo-key ``bench.fused_loss=false`` runs
+  mtl's LM head and loss unfused, as presets ``eager-unfused`` / ``compile-unfused`` do).
 
 Every system runs the same resolved config (``--config``, default the reference model
 ``llama_reference.toml``, plus ``--set``): same shapes, micro-batch, global batch. s/iter is
@@ -42,7 +43,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = HERE / "llama_reference.toml"
-PRESET_VARIANTS = {"eager": ["train.compile=false"], "compile": ["train.compile=true"]}
+PRESET_VARIANTS = {
+    "eager": ["train.compile=false"],
+    "compile": ["train.compile=true"],
+    # the LM head and loss unfused (logits, then vocab_parallel_cross_entropy), to measure the fusion
+    "eager-unfused": ["train.compile=false", "bench.fused_loss=false"],
+    "compile-unfused": ["train.compile=true", "bench.fused_loss=false"],
+}
 PEER_SYSTEMS = ("peer-eager", "peer-compile")
 # A small model for a CPU check of the script: every code path, a minute in all.
 TINY = [
@@ -305,12 +312,28 @@ def worker_peer(spec: dict) -> dict:
                 note=f"{n_params / 1e6:,.1f} M parameters; loss {losses[0]:.3f} -> {losses[-1]:.3f}")
 
 
-def worker_mtl(spec: dict) -> dict:
-    import torch
+def _bench_keys(sets: list[str]) -> list[str]:
+    """Apply and drop the ``bench.*`` pseudo-keys (not mtl config keys) of a variant."""
+    rest = []
+    for item in sets:
+        key, _, value = item.partition("=")
+        if key.strip() == "bench.fused_loss":
+            if value.strip().lower() in ("false", "0", "no"):
+                import mtl.models.gpt.model as gpt_model
 
+                gpt_model.supports_fused_cross_entropy = lambda layer: False  # the unfused head + loss
+        elif key.strip().startswith("bench."):
+            raise SystemExit(f"unknown bench key {key!r} (have bench.fused_loss)")
+        else:
+            rest.append(item)
+    return rest
+
+
+def worker_mtl(spec: dict) -> dict:
     from mtl.core.config_io import load_config
     from mtl.train.loop import train
 
+    spec = dict(spec, sets=_bench_keys(spec["sets"]))
     if spec.get("profile_out"):
         from profile_step import mtl_step
 
