@@ -85,7 +85,7 @@ MEANINGS = {
     "train.loss_scale_window": "fp16: clean steps before the loss scale doubles",
     "train.min_loss_scale": "fp16: the loss scale never goes below this",
     "train.recompute": "activation recompute: none, selective (core attention) or full (per layer)",
-    "train.compile": "torch.compile each transformer layer",
+    "train.compile": "torch.compile each transformer layer (derived: on where the run uses CUDA, off on CPU)",
     "ckpt.save": "directory to save into; when it holds this run's checkpoints the run resumes from its latest",
     "ckpt.load": "a checkpoint to start from (used when ckpt.save holds none of this run's yet)",
     "ckpt.interval": "save every N steps (0: only at the end, at exit_interval and on signals)",
