@@ -59,7 +59,15 @@ install() {
   tar -xzf "$extras/transformer_engine_torch-$TE_VERSION.tar.gz" -C "$STAGE/te_torch" --strip-components=1
   (cd "$STAGE/te_torch" && NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_CUDA_ARCHS=${NVTE_CUDA_ARCHS:-90} MAX_JOBS=${MAX_JOBS:-16} \
      "$PY" -m pip install -q --no-index --no-deps --no-build-isolation .)
-  "$PY" -c "import transformer_engine.pytorch as te, torch; print('transformer_engine', te.__version__ if hasattr(te, '__version__') else '', 'torch', torch.__version__)"
+  # TE loads the system cuDNN (/lib/x86_64-linux-gnu) unless told otherwise; once torch has
+  # loaded its own (pip nvidia-cudnn), that mix fails ("libcudnn_cnn.so.9: undefined symbol").
+  # Seen on the H100 image (2026-11-23); source this file before running mtl with TE.
+  local cudnn
+  cudnn=$("$PY" -c "import nvidia.cudnn as c; print(list(c.__path__)[0])")
+  printf 'export CUDNN_PATH=%s\nexport LD_LIBRARY_PATH=%s/lib:${LD_LIBRARY_PATH:-}\n' "$cudnn" "$cudnn" > "$STAGE/env.sh"
+  . "$STAGE/env.sh"
+  "$PY" -c "import torch; torch.backends.cudnn.version(); import transformer_engine.pytorch as te; print('transformer_engine', te.__version__, 'torch', torch.__version__)"
+  echo "before using TE: . $STAGE/env.sh"
 }
 
 case "${1:-}" in
