@@ -47,9 +47,12 @@ def test_duplicate_names_refused_naming_both():
         plugins.unregister_plugin(b)
 
 
-def test_missing_name_lists_installed_and_install_hint():
-    with pytest.raises(NotInstalledError, match=r"backend 'te' is not installed .*pip install mtl-te"):
-        plugins.registry("backend").get("te")
+def test_missing_name_lists_installed_and_install_hint(monkeypatch):
+    assert plugins.KNOWN_PROVIDERS["backend"]["te"] == "mtl-te"
+    # a name no distribution registers (mtl-te itself may be installed here)
+    monkeypatch.setitem(plugins.KNOWN_PROVIDERS["backend"], "absent-te", "mtl-absent-te")
+    with pytest.raises(NotInstalledError, match=r"backend 'absent-te' is not installed .*pip install mtl-absent-te"):
+        plugins.registry("backend").get("absent-te")
     with pytest.raises(NotInstalledError, match=r"tokenizer 'nonesuch' is not installed \(installed:"):
         plugins.registry("tokenizer").get("nonesuch")
 
