@@ -51,19 +51,18 @@ eager. Should compilation fail the function says so once in the log and runs eag
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mtl.core.errors import ParallelError
+from mtl.core.log import get_logger
 from mtl.parallel.tensor_parallel import collectives as C
 from mtl.parallel.tensor_parallel import mappings
 from mtl.parallel.tensor_parallel.layers import ColumnParallelLinear
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 # Bound on one chunk's fp32 logits [chunk, V/tp]. 512 MiB is 2048 tokens of the reference
 # model's 50304-word vocabulary, a GEMM of 2048 x 2048 x 50304: large enough to run at full
@@ -153,6 +152,8 @@ class _Kernels:
         if compiled and not self._failed:
             try:
                 return self.get(True)[index](*args)
+            except torch.OutOfMemoryError:
+                raise  # not a compilation problem
             except Exception as exc:  # noqa: BLE001 - an optimisation failing must not stop training
                 self._failed = True
                 log.warning("fused cross-entropy: torch.compile of the chunk kernels failed (%s: %s); "
