@@ -29,6 +29,10 @@ CATEGORIES = [
 ]
 
 
+SYNC_EVENTS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+               "cudaEventSynchronize")
+
+
 def mtl_step(config_path: str | None, overrides: list[str]) -> tuple[Callable[[], None], object]:
     """(one training iteration of mtl as the trainer runs it, the resolved config)."""
     from mtl.core.config_io import load_config
@@ -107,6 +111,16 @@ def kernel_table(prof, steps: int, rows: int = 20, title: str = "") -> str:
         short = name.replace("|", "\\|")
         short = short if len(short) <= 110 else short[:107] + "..."
         lines.append(f"| {i} | `{short}` | {count / steps:g} | {t / steps / 1e3:.2f} | {100 * t / total:.1f}% |")
+    # Host synchronisation (the issue's "one per logging interval"): a .item()/.tolist() is
+    # aten::_local_scalar_dense; the CUDA runtime's synchronising calls are recorded on the CPU.
+    syncs = {name: 0 for name in SYNC_EVENTS}
+    for e in events:
+        if e.key in syncs:
+            syncs[e.key] += e.count
+    sync_text = ", ".join(f"`{k}` {v / steps:g}" for k, v in syncs.items() if v)
+    lines += ["", f"Host synchronisation per step: {sync_text or 'none recorded'} (`aten::_local_scalar_dense` "
+              "is a .item()/float(): a sync only on a device tensor; the profiler's own end-of-window "
+              "`cudaDeviceSynchronize` counts once in all)."]
     by_cat: dict[str, float] = {}
     for name, _, t in timed:
         by_cat[category(name)] = by_cat.get(category(name), 0.0) + t
