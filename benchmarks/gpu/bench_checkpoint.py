@@ -47,9 +47,14 @@ def plain_state(run) -> dict[str, torch.Tensor]:
     for chunk in run.chunks:
         for name, param in getattr(chunk, "module", chunk).named_parameters():
             state[f"model.{name}"] = param.data
+    names = {id(param): name for chunk in run.chunks
+             for name, param in getattr(chunk, "module", chunk).named_parameters()}
     for i, (param, moments) in enumerate(run.optimizer.full_moments()):
         for moment, tensor in moments.items():
-            state[f"optimizer.{i}.{moment}"] = tensor
+            if moment == "main_param":  # bf16 weights: mtl stores the fp32 main weights instead
+                state[f"model.{names[id(param)]}"] = tensor.clone()
+            else:
+                state[f"optimizer.{i}.{moment}"] = tensor
     return state
 
 
