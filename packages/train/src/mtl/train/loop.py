@@ -75,7 +75,7 @@ def _agree(run: Run, stop: bool, origin: bool, loss_bad: bool, grad_bad: bool, t
     values = [float(stop), float(t.world_size - t.rank) if origin else 0.0, float(loss_bad), float(grad_bad),
               float(time_due and t.rank == 0)]
     if dist.is_initialized():
-        flags = torch.tensor(values, dtype=torch.float64, device=run.device)
+        flags = torch.tensor(values, dtype=torch.float32, device=run.device)  # exact for ranks < 2**24
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         values = flags.tolist()
     return _Agreed(stop=values[0] > 0, origin=int(t.world_size - values[1]) if values[1] > 0 else None,
