@@ -64,3 +64,13 @@ def test_a_terminal_shows_a_live_display(tiny_toml, workdir):
     assert "ETA" in plain and "\r" in screen  # redrawn in place, not a line per step
     assert "saved checkpoint ckpt/iter_0000003" in plain
     assert "TFLOP" not in plain
+
+
+def test_async_saves_say_when_they_start_and_when_they_are_committed(mtl, ok, tiny_toml):
+    out = ok(mtl("train", tiny_toml, "--set", "train.iters=3", "--set", "ckpt.interval=2",
+                 "--set", "ckpt.async_save=true"))
+    lines = [line for line in out.splitlines() if "checkpoint" in line]
+    assert lines == [f"saving checkpoint {Path('ckpt') / 'iter_0000002'} in the background",
+                     f"saved checkpoint {Path('ckpt') / 'iter_0000002'}",
+                     f"saving checkpoint {Path('ckpt') / 'iter_0000003'} in the background",
+                     f"saved checkpoint {Path('ckpt') / 'iter_0000003'}"], out

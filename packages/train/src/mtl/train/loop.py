@@ -150,21 +150,25 @@ def train(config: RunConfig, progress: bool = True) -> TrainResult:
         elif writer:
             log.info("%s", text)
 
-    def committed(directory: str | None) -> None:
-        if directory is not None:
-            say(f"saved checkpoint {directory}")
-            if cfg.ckpt.keep_last and rank0:  # the save has just committed
-                prune_checkpoints(cfg.ckpt.save, cfg.ckpt.keep_last)
+    def committed(step: int) -> None:
+        say(f"saved checkpoint {iteration_dir(cfg.ckpt.save, step)}")
+        if cfg.ckpt.keep_last and rank0:  # the save has just committed
+            prune_checkpoints(cfg.ckpt.save, cfg.ckpt.keep_last)
+
+    def finish_async_save() -> None:
+        in_flight = saver.in_flight
+        if saver.wait() is not None:
+            committed(in_flight)
 
     def checkpoint(step: int) -> None:
         if not cfg.ckpt.save:
             return
         if saver is not None:
-            committed(saver.wait())
+            finish_async_save()
         save_checkpoint(cfg, run.topology, run.chunks, run.optimizer, iteration=step,
                         consumed_samples=consumed, scaler_state=scaler.state_dict(), saver=saver)
         if saver is None:
-            committed(iteration_dir(cfg.ckpt.save, step))
+            committed(step)
         else:
             say(f"saving checkpoint {iteration_dir(cfg.ckpt.save, step)} in the background")
 
@@ -232,7 +236,7 @@ def train(config: RunConfig, progress: bool = True) -> TrainResult:
             if cfg.ckpt.save and cfg.ckpt.save_on_exit and last_saved != iteration:
                 checkpoint(iteration)
             if saver is not None:
-                committed(saver.wait())
+                finish_async_save()
     except BaseException:
         # an exception in a step (or a second Ctrl-C): save nothing; a save in flight is never
         # committed, so ckpt.save's 'latest' still names the last complete checkpoint
