@@ -19,6 +19,13 @@ CASES = [
                 layouts=("tp2", "tp2_sp", "pp2")),
     BackendCase("fp8-delayed", [*FP8, "train.fp8='delayed'"], loss_rtol=1e-3, grad_rel=1e-3, logits_atol=5e-2,
                 layouts=("tp2_sp",)),
+    # Megatron's precision layout: bf16 weights, fp32 main weights and gradients; the amax
+    # histories stay fp32. bf16 GEMM partial sums at tp=2 round differently from one process's
+    # (the local backend in bf16 already differs by ~6e-3 in gradient norm) and FP8 re-rounds
+    # that (norm-weight gradients ~10%): losses only.
+    BackendCase("fp8-delayed-bf16-weights", [*FP8, "train.fp8='delayed'", "train.precision='bf16'",
+                                             "train.params_dtype='bf16'"],
+                loss_rtol=1e-3, grad_rel=None, logits_atol=1e-1, layouts=("tp2",)),
     BackendCase("fp8-rowwise", [*FP8, "train.fp8='rowwise'", "train.fp8_format='e4m3'"], loss_rtol=1e-3,
                 grad_rel=1e-1, logits_atol=1e-4, layouts=("tp2",)),
 ]

@@ -16,7 +16,7 @@ The tests (the tiny model of ``mtl.train.testing``, CPU and gloo):
 
 - ``test_layouts_equal_one_process``: each layout of ``case.layouts`` (tp2, tp2_sp, pp2, ...)
   gives the one-process losses of the same backend within ``loss_rtol`` and gradients within
-  ``grad_rel`` (norm of the difference over the norm, per parameter);
+  ``grad_rel`` (norm of the difference over the norm, per parameter; None: losses only);
 - ``test_checkpoint_round_trip``: stop after 2 steps, resume, and the resumed steps equal an
   uninterrupted run bit for bit (model, optimizer, RNG and the backend's own state, such as
   FP8 amax histories, restored);
@@ -48,7 +48,7 @@ class BackendCase:
     name: str
     overrides: list[str]
     loss_rtol: float = 1e-5
-    grad_rel: float = 1e-4
+    grad_rel: float | None = 1e-4  # None: losses only (bf16 + FP8 gradients are rounding-dominated)
     logits_atol: float = 1e-4
     layouts: tuple[str, ...] = ("tp2", "tp2_sp", "pp2")
     device: str = "cpu"  # "cuda": the GPU variant (NCCL, one GPU per rank)
@@ -72,7 +72,7 @@ def test_layouts_equal_one_process(backend_case: BackendCase) -> None:
         for step, ref in ref_losses.items():
             assert abs(losses[step] - ref) <= backend_case.loss_rtol * abs(ref), (
                 f"{backend_case.name} {layout} step {step}: loss {losses[step]} vs one process {ref}")
-        if not has_full_grads(layout):
+        if not has_full_grads(layout) or backend_case.grad_rel is None:
             continue
         grads = assemble(results)
         assert set(grads) == set(ref_grads), f"{backend_case.name} {layout}: {set(grads) ^ set(ref_grads)}"
