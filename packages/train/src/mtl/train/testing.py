@@ -33,6 +33,9 @@ LAYOUTS = {
     "dp2_distopt": (2, ["parallel.distributed_optimizer=true"]),
     "cp2": (2, ["parallel.cp=2"]),
     "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
+    "tp2_dp2": (4, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "dp2_pp2": (4, ["parallel.pp=2"]),
+    "dp4_distopt": (4, ["parallel.distributed_optimizer=true"]),
 }
 # fp32: the layouts sum the same numbers in a different order, nothing more.
 LOSS_RTOL = 1e-5
