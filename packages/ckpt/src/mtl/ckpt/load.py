@@ -80,13 +80,12 @@ class _KeyReads:
 
     def box(self, offset: tuple, shape: tuple) -> np.ndarray:
         """The box ``offset``/``shape`` cut out of every verified stored shard it overlaps."""
-        out = np.empty(shape, dtype=np.dtype(self.entry["storage_dtype"]))
-        if not shape:
-            out[()] = self.shard(self.entry["shards"][0])
-            return out
+        if not shape:  # a 0-d tensor is its one shard
+            return np.asarray(self.shard(self.entry["shards"][0])).reshape(())
         for shard in self.entry["shards"]:  # the box is one whole stored shard: no copy
             if tuple(shard["offset"]) == tuple(offset) and tuple(shard["shape"]) == tuple(shape):
                 return self.shard(shard)
+        out = np.empty(shape, dtype=np.dtype(self.entry["storage_dtype"]))
         filled = 0
         for shard in self.entry["shards"]:
             bounds = _overlap(shard["offset"], shard["shape"], offset, shape)
