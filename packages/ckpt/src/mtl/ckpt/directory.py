@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from typing import Any
 
 from mtl.core.errors import CheckpointError
@@ -36,6 +37,18 @@ def iteration_dir(ckpt_dir: str, iteration: int) -> str:
 
 def partial_dir(ckpt_dir: str, iteration: int) -> str:
     return iteration_dir(ckpt_dir, iteration) + ".partial"
+
+
+def create_partial(path: str) -> None:
+    """An empty ``iter_N.partial`` (replacing one a crashed write of the same iteration left):
+    the zarr group and its ``arrays`` subgroup, ready for the arrays."""
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    os.makedirs(os.path.join(path, ARRAYS_DIR))
+    group_meta = {"zarr_format": 3, "node_type": "group", "attributes": {}}
+    for folder in (path, os.path.join(path, ARRAYS_DIR)):
+        with open(os.path.join(folder, "zarr.json"), "w") as f:
+            json.dump(group_meta, f)
 
 
 def committed_iterations(ckpt_dir: str) -> list[int]:

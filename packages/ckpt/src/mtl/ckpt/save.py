@@ -19,7 +19,6 @@ import importlib.metadata
 import json
 import math
 import os
-import shutil
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -143,13 +142,7 @@ def _create_partial(plan: SavePlan) -> None:
             "delete that directory first"
         )
     os.makedirs(plan.ckpt_dir, exist_ok=True)
-    if os.path.exists(plan.partial_dir):  # left by a crashed save of the same iteration
-        shutil.rmtree(plan.partial_dir)
-    os.makedirs(os.path.join(plan.partial_dir, directory.ARRAYS_DIR))
-    group_meta = {"zarr_format": 3, "node_type": "group", "attributes": {}}
-    for folder in (plan.partial_dir, os.path.join(plan.partial_dir, directory.ARRAYS_DIR)):
-        with open(os.path.join(folder, "zarr.json"), "w") as f:
-            json.dump(group_meta, f)
+    directory.create_partial(plan.partial_dir)
     for key, layout in plan.layouts.items():
         path = os.path.join(plan.partial_dir, plan.array_relpath(key))
         storage.create_array(path, layout.global_shape, layout.chunk_shape, layout.dtype)

@@ -21,7 +21,6 @@ import importlib.metadata
 import itertools
 import json
 import os
-import shutil
 from typing import Any
 
 import torch
@@ -54,13 +53,7 @@ class StreamingCheckpointWriter:
                 "delete that directory first"
             )
         self.partial_dir = directory.partial_dir(self.ckpt_dir, iteration)
-        if os.path.exists(self.partial_dir):  # left by a crashed write of the same iteration
-            shutil.rmtree(self.partial_dir)
-        os.makedirs(os.path.join(self.partial_dir, directory.ARRAYS_DIR))
-        group_meta = {"zarr_format": 3, "node_type": "group", "attributes": {}}
-        for folder in (self.partial_dir, os.path.join(self.partial_dir, directory.ARRAYS_DIR)):
-            with open(os.path.join(folder, "zarr.json"), "w") as f:
-                json.dump(group_meta, f)
+        directory.create_partial(self.partial_dir)
 
     def write(self, key: str, tensor: torch.Tensor, chunk_shape: tuple[int, ...] | None = None) -> None:
         """Write the whole global tensor ``key``, chunked by ``chunk_shape`` (default: one chunk)."""
