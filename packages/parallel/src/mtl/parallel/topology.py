@@ -6,6 +6,16 @@ TP group is a block of consecutive ranks and stays inside a node:
     rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
 Every rank creates every group in the same order (``new_group`` is collective).
+
+Expert parallelism is carved from the data-parallel ranks (as Megatron does): each dp group
+is cut into blocks of ``ep`` consecutive dp ranks (the "ep" group: each member holds a
+different ``num_experts / ep`` of the experts and they exchange tokens), and the dp ranks
+holding the same experts form the expert-data-parallel group ("edp", ``dp / ep`` ranks):
+
+    ep_rank = dp_rank % ep          expert_dp_rank = dp_rank // ep
+
+"edp_cp" adds the context-parallel ranks, as "dp_cp" does for dense parameters: expert
+gradients are reduced over it.
 """
 
 from __future__ import annotations
@@ -42,9 +52,9 @@ class Topology:
     def build(cls, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int = 1, ep: int = 1) -> "Topology":
         """Create all groups over the initialised default process group (or none if one process)."""
         if not dist.is_available() or not dist.is_initialized():
-            if tp * pp * cp != 1:
+            if tp * pp * cp * ep != 1:
                 raise ParallelError(
-                    f"tp*pp*cp = {tp * pp * cp} needs that many processes; launch with torchrun"
+                    f"tp*pp*cp*ep = {tp * pp * cp * ep} needs that many processes; launch with torchrun"
                 )
             return cls(vpp=vpp)
         world = dist.get_world_size()
@@ -76,14 +86,11 @@ class Topology:
                 if self.rank in ranks:
                     self.groups[name] = group
                     self.group_ranks[name] = ranks
-        # Expert groups: consecutive blocks of ep ranks inside each dp group.
-        for dp_ranks in self._rank_sets(("dp",)):
-            for start in range(0, self.dp, self.ep):
-                ranks = dp_ranks[start : start + self.ep]
-                group = dist.new_group(ranks)
-                if self.rank in ranks:
-                    self.groups["ep"] = group
-                    self.group_ranks["ep"] = ranks
+        for name, ranks in self._expert_rank_sets():
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                self.groups[name] = group
+                self.group_ranks[name] = ranks
         # Embedding group: first and last pipeline stage, to keep tied weights in sync.
         for pp_ranks in self._rank_sets(("pp",)):
             ranks = sorted({pp_ranks[0], pp_ranks[-1]})
@@ -106,6 +113,22 @@ class Topology:
             sets.append(sorted(ranks))
         return sets
 
+    def _expert_rank_sets(self) -> list[tuple[str, list[int]]]:
+        """("ep" | "edp" | "edp_cp", ranks) for every expert group, in one order for all ranks."""
+        sets = []
+        for dp_ranks in self._rank_sets(("dp",)):  # sorted: index i holds dp_rank i
+            # ep: consecutive blocks of ep ranks inside each dp group
+            for start in range(0, self.dp, self.ep):
+                sets.append(("ep", dp_ranks[start : start + self.ep]))
+            # edp: the dp ranks with the same ep_rank (the same experts)
+            for ep_rank in range(self.ep):
+                sets.append(("edp", dp_ranks[ep_rank :: self.ep]))
+        for dp_cp_ranks in self._rank_sets(("cp", "dp")):
+            for ep_rank in range(self.ep):
+                ranks = [r for r in dp_cp_ranks if self._coord_of(r, "dp") % self.ep == ep_rank]
+                sets.append(("edp_cp", ranks))
+        return sets
+
     # ---- coordinates --------------------------------------------------------------------
     def rank_of(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
         return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
@@ -115,10 +138,13 @@ class Topology:
         return self.tp * self.cp * self.dp * self.pp
 
     def coord(self, axis: str) -> int:
+        return self._coord_of(self.rank, axis)
+
+    def _coord_of(self, rank: int, axis: str) -> int:
         stride = 1
         for a in AXES:
             if a == axis:
-                return (self.rank // stride) % getattr(self, a)
+                return (rank // stride) % getattr(self, a)
             stride *= getattr(self, a)
         raise KeyError(axis)
 
@@ -137,6 +163,21 @@ class Topology:
     @property
     def pp_rank(self) -> int:
         return self.coord("pp")
+
+    @property
+    def ep_rank(self) -> int:
+        """Which block of ``num_experts / ep`` experts this rank holds."""
+        return self.dp_rank % self.ep
+
+    @property
+    def expert_dp_rank(self) -> int:
+        """This rank's index among the dp ranks that hold the same experts."""
+        return self.dp_rank // self.ep
+
+    @property
+    def expert_dp(self) -> int:
+        """The expert-data-parallel size: dp ranks holding the same experts."""
+        return self.dp // self.ep
 
     @property
     def is_first_stage(self) -> bool:
@@ -173,8 +214,17 @@ class Topology:
     def pp_group(self):
         return self.group("pp")
 
+    @property
+    def ep_group(self):
+        return self.group("ep")
+
+    @property
+    def expert_dp_group(self):
+        return self.group("edp")
+
     def describe(self) -> str:
         return (
             f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp}, cp {self.cp_rank}/{self.cp}, "
-            f"dp {self.dp_rank}/{self.dp}, pp {self.pp_rank}/{self.pp} (vpp {self.vpp}, ep {self.ep})"
+            f"dp {self.dp_rank}/{self.dp}, pp {self.pp_rank}/{self.pp} (vpp {self.vpp}, "
+            f"ep {self.ep_rank}/{self.ep}, expert dp {self.expert_dp_rank}/{self.expert_dp})"
         )
