@@ -14,6 +14,7 @@ from mtl.core.log import get_logger
 from mtl.core.plugins import registry
 from mtl.parallel.distributed import init_distributed
 from mtl.parallel.random import seed_everything as seed_rng_streams
+from mtl.parallel.tensor_parallel.wgrad_fusion import enable_wgrad_fusion
 from mtl.parallel.topology import Topology
 from mtl.train.checkpointing import check_checkpoint_dirs
 from mtl.train.compile import compile_regions
@@ -66,6 +67,9 @@ def build_model_chunks(config: RunConfig, topology: Topology, device: torch.devi
             pre_process=first_virtual, post_process=last_virtual, layer_range=layer_range,
         )
         chunks.append(cast_weights(model.to(device), config.train.params_dtype))
+        if DTYPES[config.train.params_dtype] != torch.float32:
+            # fp32 main_grad buffers: the weight-gradient GEMMs accumulate into them directly
+            enable_wgrad_fusion(model)
     if config.train.compile:
         compile_regions(chunks)
     return chunks

@@ -182,7 +182,8 @@ class DataParallel(nn.Module):
     def _on_grad_accumulated(self, param: nn.Parameter) -> None:
         buf, slot = self._owner[id(param)]
         if buf.uses_main_grad:  # this micro-batch's gradient, in the weights' dtype, into fp32
-            param.main_grad.add_(param.grad)
+            if not getattr(param, "wgrad_fused", False):  # else the GEMM already added it (wgrad_fusion.py)
+                param.main_grad.add_(param.grad)
             param.grad = None
         if not buf.grad_is_attached(slot):
             raise ParallelError(

@@ -14,11 +14,10 @@ every TP rank after backward (under sequence parallelism they are summed over TP
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mtl.core.errors import ParallelError
-from mtl.parallel.tensor_parallel import mappings
+from mtl.parallel.tensor_parallel import mappings, wgrad_fusion
 from mtl.parallel.tensor_parallel.sharding import divide, shard_of, tp_size_and_rank
 
 
@@ -86,7 +85,7 @@ class ColumnParallelLinear(nn.Module):
     def local_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """This rank's GEMM between the TP communication; a quantized backend (mtl-quant's
         FP8 layers) replaces it and keeps the column/row-parallel contract around it."""
-        return F.linear(x, weight, bias)
+        return wgrad_fusion.linear(x, weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -161,7 +160,7 @@ class RowParallelLinear(nn.Module):
 
     def local_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """This rank's GEMM (its partial sum) between the TP communication; see ColumnParallelLinear."""
-        return F.linear(x, weight, bias)
+        return wgrad_fusion.linear(x, weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

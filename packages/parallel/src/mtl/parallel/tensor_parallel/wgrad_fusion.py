@@ -1,0 +1,90 @@
+"""Weight-gradient GEMMs that accumulate straight into the fp32 ``main_grad`` (Megatron's
+gradient-accumulation fusion).
+
+With bf16 weights and fp32 gradient buffers (``train.params_dtype = "bf16"``), autograd
+would write each micro-batch's weight gradient as a bf16 tensor and the DataParallel hook
+would then add it into ``param.main_grad``: an extra pass over every weight per micro-batch
+(62 ms of a 1.15 s step on one H100 for the reference model) and a bf16 rounding of each
+micro-batch's gradient. Here the backward computes ``main_grad += dyᵀ x`` as one GEMM with an
+fp32 accumulator and output (cuBLAS's beta = 1), so the bf16 gradient never exists.
+
+Autograd still needs a gradient for the weight, or the DataParallel post-accumulate hook
+(which marks buckets ready and launches their reduction) would never fire: the backward
+returns an uninitialised tensor, and the hook, seeing ``param.wgrad_fused``, drops it instead
+of adding it. That is only sound for a weight used by nothing but this GEMM, so fusion is
+switched on per weight by ``enable_wgrad_fusion`` (transformer-layer linears; vocabulary
+tables are never fused because the output layer may be tied to the embedding).
+
+The accumulation is a ``torch.library`` custom op that mutates ``main_grad``, so
+``torch.compile`` traces the linear (no graph break) and keeps the GEMM as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@torch.library.custom_op("mtl::accumulate_weight_grad", mutates_args=("main_grad",))
+def accumulate_weight_grad(main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
+    """``main_grad [out, in] += grad_outputᵀ [out, T] @ inputs [T, in]`` with fp32 accumulation."""
+    dy = grad_output.reshape(-1, grad_output.shape[-1])
+    x = inputs.reshape(-1, inputs.shape[-1])
+    if main_grad.is_cuda:
+        # one cuBLAS GEMM: bf16 operands, fp32 accumulator, C = D = main_grad with beta = 1
+        torch.addmm(main_grad, dy.t(), x, out_dtype=main_grad.dtype, out=main_grad)
+    else:  # CPU has no mixed-dtype GEMM; the same sum, computed in fp32
+        main_grad.addmm_(dy.t().to(main_grad.dtype), x.to(main_grad.dtype))
+
+
+class _LinearAccumulatingMainGrad(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` whose weight gradient goes into ``main_grad``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, main_grad):
+        ctx.save_for_backward(x, weight)
+        # not saved_tensors: main_grad is a view of a buffer that other weights' gradients
+        # write to before this backward, which autograd's version check would refuse
+        ctx.main_grad = main_grad
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        grad_input = grad_output @ weight
+        accumulate_weight_grad(ctx.main_grad, grad_output, x)
+        # The hook that follows ignores this tensor (param.wgrad_fused); it only has to exist.
+        grad_weight = torch.empty_like(weight)
+        grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0) if ctx.has_bias else None
+        return grad_input, grad_weight, grad_bias, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``, with the weight gradient fused into ``weight.main_grad`` where
+    ``enable_wgrad_fusion`` switched it on and a gradient buffer gave the weight a ``main_grad``."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None or not getattr(weight, "wgrad_fused", False) or not torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
+    return _LinearAccumulatingMainGrad.apply(x, weight, bias, main_grad)
+
+
+def enable_wgrad_fusion(module: nn.Module) -> int:
+    """Fuse the weight-gradient accumulation of every local tensor-parallel linear in
+    ``module`` whose GEMM is ``F.linear`` (a backend overriding ``local_linear``, e.g. FP8,
+    keeps its own backward). Vocabulary tables are skipped: a tied output layer shares its
+    weight with the embedding, whose gradient does not come from this GEMM. Returns how many
+    weights were switched on. Takes effect only where the weight also has a ``main_grad``."""
+    from mtl.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    count = 0
+    for sub in module.modules():
+        for cls in (ColumnParallelLinear, RowParallelLinear):
+            if isinstance(sub, cls) and type(sub).local_linear is cls.local_linear:
+                weight = sub.weight
+                if hasattr(weight, "vocab_rows") or getattr(weight, "shared_embedding", False):
+                    continue
+                weight.wgrad_fused = True
+                count += 1
+    return count
