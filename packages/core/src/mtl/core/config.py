@@ -19,6 +19,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.activation": ("gelu", "swiglu"),
     "model.position_embedding": ("learned", "rope"),
     "model.rope_scaling": ("none", "llama3"),
+    "model.moe_router": ("softmax", "sigmoid"),
     "train.lr_schedule": ("constant", "linear", "cosine", "wsd"),
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.recompute": ("none", "selective", "full"),
@@ -63,6 +64,24 @@ class ModelConfig:
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     init_std: float = 0.02
+    # mixture of experts: the MLP of each layer in moe_layers routes every token to moe_top_k of num_experts MLPs; 0: all dense
+    num_experts: int = 0
+    moe_top_k: int = 2  # experts each token is routed to
+    moe_ffn_hidden_size: int | None = None  # derived: = ffn_hidden_size; each expert's MLP width
+    moe_shared_expert_ffn_hidden_size: int = 0  # width of a dense MLP every token also goes through (0: none)
+    moe_shared_expert_gate: bool = False  # scale the shared expert by sigmoid(a learned [h] -> 1 gate) (Qwen2-MoE)
+    # softmax: probabilities over all experts (Mixtral, Qwen); sigmoid: independent scores (DeepSeek-V3)
+    moe_router: str = "softmax"
+    moe_norm_topk_prob: bool = True  # rescale the top-k routing weights to sum to one (Mixtral, DeepSeek-V3)
+    # load-balancing loss coefficient: coeff * E * sum_i f_i * P_i (f_i: share of routed tokens, P_i: mean probability)
+    moe_aux_loss_coeff: float = 0.01
+    moe_z_loss_coeff: float = 0.0  # router z-loss coefficient: coeff * mean(logsumexp(logits)^2) (ST-MoE)
+    # expert capacity as a multiple of an even share (tokens * top_k / num_experts); the slots
+    # past it with the lowest routing weights are dropped; unset or 0: dropless
+    moe_capacity_factor: float | None = None
+    moe_layer_freq: int = 1  # every Nth layer is MoE, from layer 0 (Megatron's int --moe-layer-freq)
+    # derived: the global layer numbers whose MLP is MoE, from moe_layer_freq; set it to list them yourself
+    moe_layers: list | None = None
 
 
 @dataclass
@@ -356,9 +375,67 @@ def _resolve_model(m: ModelConfig, p: ParallelConfig, tokenizer_vocab_size: int 
             f"model.vocab_size = {m.vocab_size} is smaller than the tokenizer's vocabulary "
             f"({tokenizer_vocab_size}); remove the key or raise it"
         )
+    _resolve_moe(m, p)
     # Pad so every TP rank holds an equal, kernel-friendly slice of the vocabulary.
     multiple = m.make_vocab_size_divisible_by * p.tp
     m.padded_vocab_size = int(math.ceil(m.vocab_size / multiple) * multiple)
+
+
+def _resolve_moe(m: ModelConfig, p: ParallelConfig) -> None:
+    """The MoE keys: which layers are MoE, the expert width, and what the layout must divide."""
+    if m.num_experts == 0:
+        if p.ep > 1:
+            raise ConfigError(f"parallel.ep = {p.ep} needs experts to split: set model.num_experts (it is 0)")
+        if m.moe_layers:
+            raise ConfigError(f"model.moe_layers = {m.moe_layers} needs model.num_experts > 0 (it is 0)")
+        if m.moe_shared_expert_ffn_hidden_size:
+            raise ConfigError(
+                f"model.moe_shared_expert_ffn_hidden_size = {m.moe_shared_expert_ffn_hidden_size} needs "
+                "model.num_experts > 0 (a dense model's MLP is model.ffn_hidden_size)"
+            )
+        m.moe_layers = []
+        return
+    if not 1 <= m.moe_top_k <= m.num_experts:
+        raise ConfigError(
+            f"model.moe_top_k = {m.moe_top_k} must be between 1 and model.num_experts = {m.num_experts}"
+        )
+    if m.num_experts % p.ep:
+        raise ConfigError(
+            f"model.num_experts = {m.num_experts} is not divisible by parallel.ep = {p.ep} "
+            "(every expert-parallel rank holds the same number of experts)"
+        )
+    if m.moe_layer_freq < 1:
+        raise ConfigError(f"model.moe_layer_freq = {m.moe_layer_freq} must be at least 1")
+    if m.moe_layers is None:
+        # Megatron's int --moe-layer-freq: layer i is MoE when i % N == 0
+        m.moe_layers = [i for i in range(m.num_layers) if i % m.moe_layer_freq == 0]
+    elif sorted(set(m.moe_layers)) != list(m.moe_layers) or any(
+        not isinstance(i, int) or not 0 <= i < m.num_layers for i in m.moe_layers
+    ):
+        raise ConfigError(
+            f"model.moe_layers = {m.moe_layers} must list distinct layer numbers in [0, "
+            f"{m.num_layers}) in increasing order"
+        )
+    if m.moe_ffn_hidden_size is None:
+        m.moe_ffn_hidden_size = m.ffn_hidden_size  # an expert is a copy of the dense MLP unless told
+    for key in ("moe_ffn_hidden_size", "moe_shared_expert_ffn_hidden_size"):
+        size = getattr(m, key)
+        if size % p.tp:
+            raise ConfigError(f"model.{key} = {size} is not divisible by parallel.tp = {p.tp}")
+    if m.moe_ffn_hidden_size < 1:
+        raise ConfigError(f"model.moe_ffn_hidden_size = {m.moe_ffn_hidden_size} must be at least 1")
+    if m.moe_shared_expert_gate and not m.moe_shared_expert_ffn_hidden_size:
+        raise ConfigError(
+            "model.moe_shared_expert_gate = true needs a shared expert: set model.moe_shared_expert_ffn_hidden_size"
+        )
+    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key} = {getattr(m, key)} must not be negative")
+    if m.moe_capacity_factor is not None:
+        if m.moe_capacity_factor < 0:
+            raise ConfigError(f"model.moe_capacity_factor = {m.moe_capacity_factor} must not be negative")
+        if m.moe_capacity_factor == 0:
+            m.moe_capacity_factor = None  # 0 means dropless: one spelling of it downstream
 
 
 def _resolve_train(t: TrainConfig, p: ParallelConfig) -> None:
