@@ -8,11 +8,14 @@
     model.finish_grad_sync()          # wait; param.grad now holds the dp x cp average
 
 Gradients are averaged over ``topology.group("dp_cp")``: context-parallel ranks see
-different tokens of the same sequences, so they are data parallel for the gradient. With
-``use_distributed_optimizer`` the buckets are reduce-scattered instead of all-reduced: only
-this rank's shard of each bucket holds the average afterwards (``param.dp_owned_grad_range``
-says which flat part of each parameter), and ``mtl.parallel.optimizer.DistributedOptimizer``
-updates that shard and all-gathers the parameters.
+different tokens of the same sequences, so they are data parallel for the gradient. Expert
+parameters (``param.expert_split_dim``) live in buffers of their own, reduced over the ranks
+holding the same experts (``edp_cp``; see ``reduce_group.py`` for why the divisor stays the
+dp x cp size). With ``use_distributed_optimizer`` the buckets are reduce-scattered instead
+of all-reduced over their buffer's group: only this rank's shard of each bucket holds the
+average afterwards (``param.dp_owned_grad_range`` says which flat part of each parameter),
+and ``mtl.parallel.optimizer.DistributedOptimizer`` updates that shard and all-gathers the
+parameters over the same group.
 
 With ``overlap_param_gather`` (distributed optimizer only) that all-gather is asynchronous:
 the optimizer's step launches one all-gather per bucket and returns, and a forward pre-hook
@@ -43,6 +46,7 @@ from torch import nn
 
 from mtl.core.errors import ParallelError
 from mtl.parallel.ddp.grad_buffer import Bucket, GradBuffer
+from mtl.parallel.ddp.reduce_group import DENSE, EXPERT, ReduceGroup, is_expert_param
 from mtl.parallel.topology import Topology
 
 # torch 2.13 renamed the flat collectives; the old names still exist (with a warning) and are
@@ -82,26 +86,30 @@ class DataParallel(nn.Module):
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
         self.overlap_param_gather = overlap_param_gather
-        self.group = topology.group("dp_cp")
-        self.group_size = dist.get_world_size(self.group) if self.group is not None else 1
-        self.group_rank = dist.get_rank(self.group) if self.group is not None else 0
+        # The dense parameters' group (dp x cp); expert buffers carry their own (edp x cp).
+        self.reduce_groups = {name: ReduceGroup.of(topology, name) for name in (DENSE, EXPERT)}
+        dense = self.reduce_groups[DENSE]
+        self.group, self.group_size, self.group_rank = dense.group, dense.size, dense.rank
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ParallelError(f"DataParallel got a {type(module).__name__} with no trainable parameters")
-        by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
+        # One buffer per (dtype, reduce group): a bucket is one collective over one group.
+        by_kind: dict[tuple[torch.dtype, str], list[tuple[str, nn.Parameter]]] = {}
         for name, param in named:
-            by_dtype.setdefault(param.dtype, []).append((name, param))
+            by_kind.setdefault((param.dtype, EXPERT if is_expert_param(param) else DENSE), []).append((name, param))
         self.buffers_by_dtype: list[GradBuffer] = []
-        for dtype, params in by_dtype.items():
+        for (dtype, group_name), params in by_kind.items():
             element_size = torch.empty((), dtype=dtype).element_size()
+            reduce_group = self.reduce_groups[group_name]
             self.buffers_by_dtype.append(
                 GradBuffer(
                     params,
                     bucket_size_numel=max(1, int(bucket_size_mb * 2**20 / element_size)),
-                    num_shards=self.group_size,
+                    num_shards=reduce_group.size,
                     with_param_buffer=use_distributed_optimizer,
                     grad_dtype=grad_dtype,
+                    reduce_group=reduce_group,
                 )
             )
         # One launch order for every rank (NCCL needs collectives in the same order everywhere).
@@ -112,7 +120,7 @@ class DataParallel(nn.Module):
             for buf in self.buffers_by_dtype:
                 for slot in buf.slots:
                     slot.param.dp_owned_grad_range = (0, 0)
-                for slot, first, last in buf.owned_ranges(self.group_rank):
+                for slot, first, last in buf.owned_ranges(buf.reduce_group.rank):
                     slot.param.dp_owned_grad_range = (first, last)
 
         self._sync_enabled = True  # False inside no_sync()
@@ -209,16 +217,20 @@ class DataParallel(nn.Module):
     # ---- communication ---------------------------------------------------------------------
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
-        if self.group is None:
+        reduce_group = bucket.reduce_group
+        # Pre-scale so the SUM collective yields the mean (gloo has no AVG); an expert bucket
+        # is scaled even when no other rank holds its experts (reduce_group.py says why).
+        if reduce_group.grad_divisor != 1:
+            bucket.grad_view.div_(reduce_group.grad_divisor)
+        if reduce_group.group is None:
             return
         self.num_collectives_launched += 1
-        # Pre-divide so the SUM collective yields the mean (gloo has no AVG).
-        bucket.grad_view.div_(self.group_size)
         if self.use_distributed_optimizer and not bucket.has_shared_embedding:
-            lo, hi = bucket.shard_range(self.group_rank)
-            bucket.handle = _reduce_scatter(bucket.grad_view[lo:hi], bucket.grad_view, group=self.group, async_op=True)
+            lo, hi = bucket.shard_range(reduce_group.rank)
+            bucket.handle = _reduce_scatter(bucket.grad_view[lo:hi], bucket.grad_view, group=reduce_group.group,
+                                            async_op=True)
         else:
-            bucket.handle = dist.all_reduce(bucket.grad_view, group=self.group, async_op=True)
+            bucket.handle = dist.all_reduce(bucket.grad_view, group=reduce_group.group, async_op=True)
 
     def finish_grad_sync(self) -> None:
         """Wait for every bucket's collective (launching those not started yet). Idempotent
@@ -244,16 +256,17 @@ class DataParallel(nn.Module):
         (or ``finish_param_sync()``) wait for them."""
         if not self.use_distributed_optimizer:
             raise ParallelError("gather_params() needs DataParallel(use_distributed_optimizer=True)")
-        if self.group is None:
-            return
         self.finish_param_sync()  # never two gathers into one bucket at once
         # Launch the buckets of the first layers (the last buckets) first: the forward needs
         # them first. The order is the same on every rank.
         for index in reversed(range(len(self.buckets))):
             bucket = self.buckets[index]
-            lo, hi = bucket.shard_range(self.group_rank)
+            reduce_group = bucket.reduce_group
+            if reduce_group.group is None:
+                continue
+            lo, hi = bucket.shard_range(reduce_group.rank)
             self._param_gather_handles[index] = _all_gather(
-                bucket.param_view, bucket.param_view[lo:hi], group=self.group, async_op=True
+                bucket.param_view, bucket.param_view[lo:hi], group=reduce_group.group, async_op=True
             )
         if not self.overlap_param_gather:
             self.finish_param_sync()
@@ -298,13 +311,14 @@ class DataParallel(nn.Module):
 
     @torch.no_grad()
     def broadcast_params(self) -> None:
-        """Copy the parameters of data-parallel rank 0 to every rank of the dp x cp group."""
-        if self.group is None:
-            return
-        src = self.topology.group_ranks["dp_cp"][0]
+        """Copy the parameters of data-parallel rank 0 to every rank of the dp x cp group
+        (expert parameters: of the first rank holding the same experts)."""
         for buf in self.buffers_by_dtype:
+            reduce_group = buf.reduce_group
+            if reduce_group.group is None:
+                continue
             if buf.param_data is not None:
-                dist.broadcast(buf.param_data, src=src, group=self.group)
+                dist.broadcast(buf.param_data, src=reduce_group.src, group=reduce_group.group)
             else:
                 for slot in buf.slots:
-                    dist.broadcast(slot.param.data, src=src, group=self.group)
+                    dist.broadcast(slot.param.data, src=reduce_group.src, group=reduce_group.group)

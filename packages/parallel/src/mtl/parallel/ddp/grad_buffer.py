@@ -55,6 +55,7 @@ class Bucket:
     grad_view: torch.Tensor  # grad_data[start:end]
     param_view: torch.Tensor | None  # param_data[start:end] with the distributed optimizer
     num_shards: int
+    reduce_group: object | None = None  # the ddp.ReduceGroup its gradients are reduced over
     ready: set[int] = field(default_factory=set)  # id(param) of gradients complete this step
     handle: object | None = None  # the async collective in flight
     launched: bool = False
@@ -104,7 +105,10 @@ class GradBuffer:
         num_shards: int,
         with_param_buffer: bool,
         grad_dtype: torch.dtype | None = None,
+        reduce_group=None,
     ) -> None:
+        """``reduce_group`` (a ``ddp.ReduceGroup``, kept for the caller) names the ranks the
+        buffer's gradients are reduced over; ``num_shards`` is its size."""
         if not named_params:
             raise ParallelError("GradBuffer needs at least one parameter that requires grad")
         dtypes = {p.dtype for _, p in named_params}
@@ -119,6 +123,7 @@ class GradBuffer:
         self.uses_main_grad = self.dtype != self.param_dtype
         self.device = devices.pop()
         self.num_shards = num_shards
+        self.reduce_group = reduce_group
         # Padding only matters when buckets are sharded over ranks (the distributed optimizer).
         pad_multiple = num_shards * SHARD_ALIGNMENT if with_param_buffer else 1
 
@@ -162,6 +167,7 @@ class GradBuffer:
                 grad_view=self.grad_data[start:end],
                 param_view=None if self.param_data is None else self.param_data[start:end],
                 num_shards=num_shards,
+                reduce_group=reduce_group,
             )
             for i, (start, end, bucket_slots) in enumerate(bucket_bounds)
         ]

@@ -2,7 +2,9 @@
 
 ``DataParallel(use_distributed_optimizer=True)`` lays parameters and gradients out in flat
 buffers whose buckets are padded to a multiple of the dp x cp size N, and reduce-scatters
-each bucket, so rank r holds the averaged gradient of the r-th 1/N of every bucket. Here:
+each bucket, so rank r holds the averaged gradient of the r-th 1/N of every bucket. Expert
+parameters sit in buffers of their own, sharded the same way over the N/ep ranks that hold
+the same experts (``edp_cp``): each expert's state is split over its replicas only. Here:
 
     piece (this rank's part of one parameter) = param_data[a:b]  (a view: updating it
                                                 updates the parameter in place)
@@ -34,7 +36,7 @@ def _shard_entries(chunks: list[DataParallel]) -> list[StateEntry]:
     entries: list[StateEntry] = []
     for c, chunk in enumerate(chunks):
         for buf in chunk.buffers_by_dtype:
-            for slot, first, last in buf.owned_ranges(chunk.group_rank):
+            for slot, first, last in buf.owned_ranges(buf.reduce_group.rank):
                 params = buf.param_data[slot.start + first : slot.start + last]
                 grads = buf.grad_data[slot.start + first : slot.start + last]
                 name = slot.name if len(chunks) == 1 else f"chunk{c}.{slot.name}"
@@ -80,15 +82,16 @@ class DistributedOptimizer(AdamWShell):
             chunk.gather_params()  # returns at once with overlap_param_gather: forwards wait
 
     def full_moments(self) -> Iterator[tuple[nn.Parameter, dict[str, torch.Tensor]]]:
-        """Every parameter's whole moments, all-gathered over the dp x cp group one bucket at a
-        time (a collective: every rank of the group iterates to the end). Each bucket's
+        """Every parameter's whole moments, all-gathered over each buffer's group (dp x cp;
+        edp x cp for experts) one bucket at a time (a collective: every rank iterates to the end). Each bucket's
         moments are gathered like its parameters after a step; the tensors yielded are views
         of that bucket's gathered copy, valid until the next bucket: clone what you keep."""
         pieces = {id(p.source): p for p in self.state_pieces()}
         for chunk in self.chunks:
             for buf in chunk.buffers_by_dtype:
+                group = buf.reduce_group.group  # dp x cp, or edp x cp for expert parameters
                 for bucket in buf.buckets:
-                    lo, hi = bucket.shard_range(chunk.group_rank)
+                    lo, hi = bucket.shard_range(buf.reduce_group.rank)
                     gathered = {}
                     for moment in self.state_names:
                         shard = torch.zeros(hi - lo, dtype=buf.dtype, device=buf.device)
@@ -97,11 +100,11 @@ class DistributedOptimizer(AdamWShell):
                             if piece is not None:
                                 at = slot.start + piece.first - (bucket.start + lo)
                                 shard[at : at + piece.moments[moment].numel()] = piece.moments[moment]
-                        if chunk.group is None:
+                        if group is None:
                             gathered[moment] = shard
                         else:
                             gathered[moment] = torch.empty(bucket.numel, dtype=buf.dtype, device=buf.device)
-                            _all_gather(gathered[moment], shard, group=chunk.group)
+                            _all_gather(gathered[moment], shard, group=group)
                     for slot in bucket.slots:
                         start, end = slot.start - bucket.start, slot.end - bucket.start
                         yield slot.param, {m: t[start:end].view_as(slot.param) for m, t in gathered.items()}

@@ -12,6 +12,11 @@ Each element of the model's gradient is counted exactly once:
   flat range of each parameter only (``param.dp_owned_grad_range``): that range is counted
   and the squares are summed over ``dp_cp`` too. Without it the gradients are identical
   across dp x cp and counted as they are.
+- expert parameters (``param.expert_split_dim``) differ across the expert-parallel group
+  (each rank holds other experts): without the distributed optimizer their squares are
+  summed over ``ep`` (they are identical across the ranks holding the same experts); with it
+  each of those ranks holds its own shard, and the ``dp_cp`` sum (= ep x edp_cp) covers every
+  expert once.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from torch import nn
 
 from mtl.core.errors import MtlError, ParallelError
 from mtl.parallel.ddp.grad_buffer import accumulated_grad
+from mtl.parallel.ddp.reduce_group import is_expert_param
 from mtl.parallel.topology import Topology
 
 # As torch.nn.utils.clip_grad_norm_: keeps the coefficient finite for a zero norm.
@@ -62,22 +68,34 @@ def _collective_device(fallback: torch.device | None = None) -> torch.device:
     return fallback if fallback is not None else torch.device("cpu")
 
 
-def global_grad_norm(params, topology: Topology, grads_are_dp_sharded: bool = False) -> torch.Tensor:
-    """The L2 norm of the whole model's gradient, the same fp32 scalar on every rank."""
-    unique = list({id(p): p for p in params if accumulated_grad(p) is not None}.values())
-    counted = [_counted_grad(p, topology, grads_are_dp_sharded) for p in unique]
+def _rank_squares(params: list, topology: Topology, grads_are_dp_sharded: bool,
+                  device: torch.device) -> torch.Tensor:
+    """The sum of squares this rank counts of ``params``' gradients (an fp32 scalar)."""
+    counted = [_counted_grad(p, topology, grads_are_dp_sharded) for p in params]
     grads = [g for g in counted if g is not None]
     # Gradients not counted (copies of ones another rank counts) still take part with weight
     # 0: finite -> +0, inf/NaN -> NaN, so any non-finite element anywhere shows in the result.
-    uncounted = [accumulated_grad(p) for p, g in zip(unique, counted) if g is None]
-    # A rank may hold no gradient here (a distributed-optimizer rank whose shards are all
-    # padding); it still joins the all-reduce, on the device NCCL needs.
-    device = accumulated_grad(unique[0]).device if unique else _collective_device()
+    uncounted = [accumulated_grad(p) for p, g in zip(params, counted) if g is None]
     squares = torch.zeros((), dtype=torch.float32, device=device)
     if grads:
         squares = squares + _sum_of_squares(grads)
     if uncounted:
         squares = squares + 0.0 * _sum_of_squares(uncounted)
+    return squares
+
+
+def global_grad_norm(params, topology: Topology, grads_are_dp_sharded: bool = False) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient, the same fp32 scalar on every rank."""
+    unique = list({id(p): p for p in params if accumulated_grad(p) is not None}.values())
+    # A rank may hold no gradient here (a distributed-optimizer rank whose shards are all
+    # padding); it still joins the all-reduces, on the device NCCL needs.
+    device = accumulated_grad(unique[0]).device if unique else _collective_device()
+    dense = _rank_squares([p for p in unique if not is_expert_param(p)], topology, grads_are_dp_sharded, device)
+    experts = _rank_squares([p for p in unique if is_expert_param(p)], topology, grads_are_dp_sharded, device)
+    ep_group = topology.group("ep")
+    if ep_group is not None and not grads_are_dp_sharded:  # other ranks hold other experts
+        dist.all_reduce(experts, group=ep_group)
+    squares = dense + experts
     for name in ("tp_pp",) + (("dp_cp",) if grads_are_dp_sharded else ()):
         group = topology.group(name)
         if group is not None:
