@@ -14,12 +14,14 @@ table goes on:
 - ``mtl-<variant>``: ``mtl.train.loop.train`` on the config with the variant's ``--set``
   overrides (``--variants eager compile`` by default: ``train.compile=false`` / ``true``;
   custom: ``NAME:KEY=VALUE;KEY=VALUE``; the pseudo-key ``bench.fused_loss=false`` runs
-  mtl's LM head and loss unfused, as presets ``eager-unfused`` / ``compile-unfused`` do).
+  mtl's LM head and loss unfused, as presets ``eager-unfused`` / ``compile-unfused`` do;
+  ``bench.wgrad_fusion=false`` adds each micro-batch's bf16 weight gradient into ``main_grad``
+  in the DataParallel hook instead of in the GEMM, as preset ``compile-nowgradfusion`` does).
 
 Every system runs the same resolved config (``--config``, default the reference model
 ``llama_reference.toml``, plus ``--set``): same shapes, micro-batch, global batch. s/iter is
 the median over the iterations after the first ``--skip``; TFLOP/s/GPU is Megatron's formula
-(``mtl.core.flops.flops_per_iteration`` of that config) over s/iter; MFU against the
+(``mtl.train.metrics.iteration_flops`` of that config: the family's count) over s/iter; MFU against the
 ``matmul`` row; peak memory is ``torch.cuda.max_memory_allocated`` of the row's process.
 
 ``--profile SYSTEM`` adds a torch.profiler breakdown of two steps of one system (top-20
@@ -49,6 +51,7 @@ PRESET_VARIANTS = {
     # the LM head and loss unfused (logits, then vocab_parallel_cross_entropy), to measure the fusion
     "eager-unfused": ["train.compile=false", "bench.fused_loss=false"],
     "compile-unfused": ["train.compile=true", "bench.fused_loss=false"],
+    "compile-nowgradfusion": ["train.compile=true", "bench.wgrad_fusion=false"],
 }
 PEER_SYSTEMS = ("peer-eager", "peer-compile")
 # A small model for a CPU check of the script: every code path, a minute in all.
@@ -212,7 +215,7 @@ def main() -> None:
         r = run_row(spec_for(name), limit(), log_dir)
         done[name] = fmt_row(name, r, peak)
         if "error" not in r and not flops_noted:
-            header.append(f"FLOPs per iteration (Megatron's formula, mtl.core.flops): {r['flops_per_iter'] / 1e12:.4g} TFLOP; "
+            header.append(f"FLOPs per iteration (Megatron's formula, mtl.models.gpt.flops): {r['flops_per_iter'] / 1e12:.4g} TFLOP; "
                           f"{r['tokens_per_iter']:,} tokens per iteration; s/iter: median of iterations "
                           f"{args.skip + 1}-{iters}")
             flops_noted = True
@@ -267,11 +270,11 @@ def _peak_mem_gib():
 
 
 def _summary(cfg, times: list[float], skip: int) -> dict:
-    from mtl.core.flops import flops_per_iteration
+    from mtl.train.metrics import iteration_flops
 
     steady = times[skip:] or times
     return dict(s_per_iter=statistics.median(steady), iter_s=times, n_timed=len(steady),
-                flops_per_iter=flops_per_iteration(cfg), world_size=cfg.parallel.world_size,
+                flops_per_iter=iteration_flops(cfg), world_size=cfg.parallel.world_size,
                 tokens_per_iter=cfg.train.global_batch_size * cfg.model.seq_length, peak_mem_gib=_peak_mem_gib())
 
 
@@ -322,8 +325,13 @@ def _bench_keys(sets: list[str]) -> list[str]:
                 import mtl.models.gpt.model as gpt_model
 
                 gpt_model.supports_fused_cross_entropy = lambda layer: False  # the unfused head + loss
+        elif key.strip() == "bench.wgrad_fusion":
+            if value.strip().lower() in ("false", "0", "no"):
+                import mtl.train.setup as setup
+
+                setup.enable_wgrad_fusion = lambda module: 0  # bf16 grads added into main_grad by the hook
         elif key.strip().startswith("bench."):
-            raise SystemExit(f"unknown bench key {key!r} (have bench.fused_loss)")
+            raise SystemExit(f"unknown bench key {key!r} (have bench.fused_loss, bench.wgrad_fusion)")
         else:
             rest.append(item)
     return rest
