@@ -11,11 +11,10 @@ the ranks holding the *same* experts makes them agree with the reference.
 """
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from mtl.parallel.ddp import DataParallel
-from mtl.parallel.expert_parallel import all_to_all, exchange_counts
+from mtl.parallel.expert_parallel import TokenExchange
 from mtl.parallel.optimizer import build_optimizer
 from mtl.parallel.testing import run_distributed
 from mtl.parallel.topology import Topology
@@ -38,17 +37,15 @@ class ToyMoE(nn.Module):
         for p in (self.expert_weight, self.expert_bias):
             p.expert_split_dim = 0
         self.num_local, self.ep_group = num_local, ep_group
-        self.ep = dist.get_world_size(ep_group) if ep_group is not None else 1
 
     def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
         y = self.dense(x)
         order = torch.argsort(route, stable=True)  # tokens grouped by expert, so by ep rank
-        per_expert = torch.bincount(route, minlength=NUM_EXPERTS).view(self.ep, self.num_local)
-        recv = exchange_counts(per_expert, self.ep_group)  # [source rank, local expert]
-        tokens = all_to_all(y[order], recv.sum(1).tolist(), per_expert.sum(1).tolist(), self.ep_group)
-        local_expert = torch.arange(self.num_local).repeat(self.ep).repeat_interleave(recv.flatten())
+        exchange = TokenExchange(torch.bincount(route, minlength=NUM_EXPERTS), self.ep_group)
+        tokens = exchange.dispatch(y[order])  # [M, h] sorted by local expert
+        local_expert = torch.repeat_interleave(torch.arange(self.num_local), exchange.tokens_per_local_expert)
         out = torch.einsum("nh,nhk->nk", tokens, self.expert_weight[local_expert]) + self.expert_bias[local_expert]
-        back = all_to_all(out, per_expert.sum(1).tolist(), recv.sum(1).tolist(), self.ep_group)
+        back = exchange.combine(out)
         return y + torch.empty_like(back).index_copy(0, order, back)  # back to token order
 
 
