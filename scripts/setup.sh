@@ -24,5 +24,5 @@ fi
 "${PIP[@]}" \
   -e packages/core -e "packages/parallel[test]" -e "packages/models[test]" -e "packages/data[test]" \
   -e "packages/ckpt[test]" -e "packages/train[test]" -e "packages/cli[test]" -e "packages/quant[test]" -e "packages/te[test]" \
-  -e examples/plugins/mtl-example-plugin pytest pytest-timeout nox
+  -e examples/plugins/mtl-example-plugin -e examples/plugins/mtl-example-family pytest pytest-timeout nox
 echo "$WANT" > "$STAMP"

@@ -5,8 +5,8 @@ import re
 import torch
 
 from mtl.core.config_io import load_config
-from mtl.core.flops import flops_per_iteration
 from mtl.core.plugins import registry
+from mtl.models.gpt.flops import flops_per_iteration
 from mtl.parallel.topology import Topology
 
 H, L, S, V_PADDED, FFN = 32, 2, 16, 384, 128  # the byte tokenizer's 257 ids pad to 384
@@ -44,7 +44,8 @@ def test_dry_run_shows_config_tree_flops_and_memory_and_trains_nothing(mtl, ok, 
                                  out.split("# parameters per component")[1].split("FLOPs")[0], re.MULTILINE))
     assert int(components["total"].replace(",", "")) == TOTAL
     assert sum(int(v.replace(",", "")) for k, v in components.items() if k != "total") == TOTAL
-    # FLOPs per iteration as mtl.core.flops counts them, and memory in readable units
+    assert f"parameters: {TOTAL:,}" in out.splitlines()
+    # FLOPs per iteration as the gpt family counts them, and memory in readable units
     cfg = load_config(tiny_toml).resolve(world_size=1, tokenizer_vocab_size=257)
     assert f"FLOPs per iteration: {flops_per_iteration(cfg):.4e}" in out
     assert "world size 1: tp 1 x pp 1 x cp 1 x dp 1; 2 micro-batches of 2 per step" in out
@@ -80,3 +81,30 @@ def test_dry_run_without_a_config_file_uses_the_defaults(mtl, ok, workdir):
     out = ok(mtl("train", "--dry-run", "--set", "model.num_layers=1"))
     assert "num_layers = 1" in out.splitlines() and "1 x TransformerLayer" not in out
     assert "FLOPs per iteration" in out
+
+
+def test_a_family_without_a_flop_count_still_dry_runs(mtl, ok, tiny_toml):
+    """FLOPs are the family's: a family record without ``flops_per_iteration`` says so, and
+    its parameters are still counted from the model it builds."""
+    from dataclasses import replace
+
+    from mtl.core.hookspecs import hookimpl
+    from mtl.core.plugins import register_plugin, unregister_plugin
+
+    uncounted = replace(registry("model family").get("gpt"), name="gpt_uncounted",
+                        flops_per_iteration=None, activation_bytes_per_layer=None)
+
+    class Plugin:
+        @hookimpl
+        def mtl_model_families(self):
+            return [uncounted]
+
+    plugin = Plugin()
+    register_plugin(plugin)
+    try:
+        out = ok(mtl("train", tiny_toml, "--dry-run", "--set", "model.family='gpt_uncounted'"))
+    finally:
+        unregister_plugin(plugin)
+    assert "FLOPs per iteration: not counted (model family 'gpt_uncounted' gives no flops_per_iteration)" in out
+    assert f"parameters: {TOTAL:,}" in out.splitlines()
+    assert "activations" not in out.split("estimated memory per GPU:")[1]

@@ -30,6 +30,7 @@ from mtl.ckpt.stream_writer import StreamingCheckpointWriter
 from mtl.core.config import RunConfig
 from mtl.core.config_io import config_from_dict
 from mtl.core.errors import CheckpointError, ConfigError
+from mtl.core.model_protocol import build_model
 from mtl.core.plugins import registry
 from mtl.models.param_layout import parameter_entries
 from mtl.parallel.topology import Topology
@@ -102,7 +103,7 @@ def target_layout(cfg: RunConfig, family: str) -> dict[str, tuple[tuple[int, ...
     the meta device: no memory, no process group."""
     topology = Topology(tp=cfg.parallel.tp, rank=0)
     with torch.device("meta"):
-        model = registry("model family").get(family).build(cfg, topology, registry("backend").get(cfg.model.backend))
+        model = build_model(registry("model family").get(family), cfg, topology, registry("backend").get(cfg.model.backend))
     return {e.global_name: (e.global_shape, tuple(max(1, n) for n in e.view(e.param).shape))
             for e in parameter_entries(model, topology)}
 

@@ -1,4 +1,8 @@
-"""``mtl train --dry-run``: what a run would be, without running it."""
+"""``mtl train --dry-run``: what a run would be, without running it.
+
+Everything about the model comes from the selected family: the parameter counts from the
+model it builds on the meta device (whatever its layers are), the FLOPs and activation
+memory from its ``ModelFamily`` record (left out, and said so, when it has no formula)."""
 
 from __future__ import annotations
 
@@ -8,7 +12,8 @@ import torch
 
 from mtl.core.config import RunConfig
 from mtl.core.config_io import format_config
-from mtl.core.flops import flops_per_iteration, memory_per_gpu_bytes, parameter_count
+from mtl.core.flops import memory_per_gpu_bytes, parameter_counts
+from mtl.core.model_protocol import build_model
 from mtl.core.plugins import registry
 from mtl.parallel.topology import Topology
 from mtl.train.validate import check_training_settings
@@ -69,16 +74,21 @@ def dry_run(cfg: RunConfig) -> str:
     backend = registry("backend").get(cfg.model.backend)
     family = registry("model family").get(cfg.model.family)
     with torch.device("meta"):  # shapes only: no memory, no initialisation cost
-        model = family.build(cfg, Topology.single(), backend)
+        model = build_model(family, cfg, Topology.single(), backend)
     p = cfg.parallel
-    counts = parameter_count(cfg)
-    flops = flops_per_iteration(cfg)
-    memory = memory_per_gpu_bytes(cfg)
-    out = ["# resolved config", format_config(cfg), "# model (whole model, one process)"]
+    counts = parameter_counts(model)  # padded vocabulary rows included, as the model holds them
+    activations = family.activation_bytes_per_layer(cfg) if family.activation_bytes_per_layer else None
+    memory = memory_per_gpu_bytes(cfg, counts["total"], activations)
+    out = ["# resolved config", format_config(cfg), f"# model (whole model, one process; family '{family.name}')"]
     out += module_tree(model)
     out += ["", "# parameters per component"]
     out += [f"{name:>14}: {value:,}" for name, value in counts.items()]
-    out += ["", f"FLOPs per iteration: {flops:.4e} ({flops / 1e12:.2f} TFLOP, Megatron's count)",
+    if family.flops_per_iteration is not None:
+        flops = family.flops_per_iteration(cfg)
+        flops_line = f"FLOPs per iteration: {flops:.4e} ({flops / 1e12:.2f} TFLOP, Megatron's count)"
+    else:
+        flops_line = f"FLOPs per iteration: not counted (model family '{family.name}' gives no flops_per_iteration)"
+    out += ["", flops_line,
             f"parameters: {counts['total']:,}",
             (f"world size {p.world_size}: tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp}; "
              f"{cfg.train.num_micro_batches} micro-batches of {cfg.train.micro_batch_size} per step"),

@@ -49,7 +49,22 @@ def mtl_backends() -> list[Backend]:
 @hookspec
 def mtl_model_families() -> list[ModelFamily]:
     """Return the model families this plugin provides (``gpt``, ...). Selected by
-    ``model.family``; its converters serve ``mtl convert``."""
+    ``model.family``; its converters serve ``mtl convert``.
+
+    The contract (``mtl.core.registrations.ModelFamily`` has the exact calls):
+
+    - ``build`` returns a module following ``mtl.core.model_protocol.LanguageModel``:
+      ``forward(input_ids, position_ids=None, labels=None, inference_context=None)`` gives the
+      per-token fp32 loss ``[b, s]`` with labels, logits ``[b, s, V/tp]`` without, and hidden
+      states ``[s(/tp), b, h]`` on a stage without ``post_process``; ``set_input_tensor``,
+      ``compile_units()``, ``pre_process`` / ``post_process`` and ``config``. Callers build
+      through ``model_protocol.build_model``, which names the family and the missing member.
+    - Parameters say how they start and how they are laid out: ``init_kind`` (``tag_init``),
+      ``tp_split_dim`` / ``tp_stride``, ``vocab_rows``; initialisation and the checkpoint
+      layout read these attributes, not name patterns.
+    - A gpt-like family reuses ``GPTModel`` and supplies only ``layer_spec(config, backend)``.
+    - ``flops_per_iteration(config)`` feeds TFLOP/s, MFU and ``--dry-run``; core holds no
+      family's formula. Parameter counts come from the model built on the meta device."""
 
 
 @hookspec

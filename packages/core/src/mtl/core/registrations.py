@@ -111,14 +111,27 @@ class Fp8Settings:
 
 @dataclass(frozen=True)
 class ModelFamily:
-    """A model family: how to build it and how to convert to and from other formats.
+    """A model family: how to build it, count its FLOPs and convert to and from other formats.
 
     - ``build(config: RunConfig, topology, backend: Backend, *, pre_process=True,
-      post_process=True, layer_range=None) -> nn.Module``: the whole model, or one pipeline
+      post_process=True, layer_range=None) -> LanguageModel``: the whole model, or one pipeline
       (virtual) stage holding global layers ``[start, end)`` = ``layer_range``, with the
-      embedding only if ``pre_process`` and the output head only if ``post_process``. ``gpt``
-      initialises from ``config.train.seed`` so every parallel layout starts from the same
-      global weights.
+      embedding only if ``pre_process`` and the output head only if ``post_process``. What it
+      returns must follow ``mtl.core.model_protocol.LanguageModel`` (forward with labels ->
+      per-token fp32 loss, ``set_input_tensor``, ``compile_units``, parameters tagged with
+      ``init_kind`` ...); the trainer, ``mtl generate``, ``mtl convert`` and ``--dry-run``
+      build through ``model_protocol.build_model``, which refuses a model missing a member.
+      It must initialise from ``config.train.seed`` so every parallel layout starts from the
+      same global weights (``mtl.models.initialization`` does this for ``GPTModel``), and it
+      must build on the meta device (``--dry-run`` counts parameters from that model).
+    - ``layer_spec(config, backend) -> ModuleSpec`` (optional): the spec of one transformer
+      layer, for families built on ``mtl.models.gpt.GPTModel`` (``mtl.models.gpt.family.
+      gpt_like_family`` wires it into ``build``); a gpt-like family supplies only this.
+    - ``flops_per_iteration(config) -> float`` (optional): model FLOPs of one training
+      iteration (forward and backward, counted as Megatron counts them); the training loop's
+      TFLOP/s and MFU and ``--dry-run`` use it, and omit them for a family without one.
+    - ``activation_bytes_per_layer(config) -> float`` (optional): activation memory of one
+      layer for one micro-batch on one rank, for ``--dry-run``'s memory estimate.
     - ``converters``: maps a format name ("hf") to an object with
       ``to_mtl(hf_dir, *, tp=1) -> (model_section: dict, state: dict[str, Tensor])`` (the
       ``[model]`` config keys, and every parameter as a full global tensor with the vocabulary
@@ -132,6 +145,9 @@ class ModelFamily:
     build: Callable[..., Any]
     converters: Mapping[str, Any] = field(default_factory=dict)
     description: str = ""
+    layer_spec: Callable[..., Any] | None = None
+    flops_per_iteration: Callable[[Any], float] | None = None
+    activation_bytes_per_layer: Callable[[Any], float] | None = None
 
 
 @dataclass(frozen=True)

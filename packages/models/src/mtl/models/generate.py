@@ -1,16 +1,18 @@
-"""Autoregressive sampling from a GPTModel with a KV cache (single process)."""
+"""Autoregressive sampling with a KV cache (single process) from any family's model: it uses
+only ``LanguageModel``'s forward (logits without labels, ``inference_context``) and ``config``."""
 
 from __future__ import annotations
 
 import torch
 
 from mtl.core.errors import ConfigError
+from mtl.core.model_protocol import LanguageModel
 from mtl.models.gpt.inference_context import InferenceContext
 
 
 @torch.no_grad()
 def generate(
-    model,
+    model: LanguageModel,
     prompt_ids: list[int],
     max_new_tokens: int,
     temperature: float = 1.0,
@@ -51,7 +53,7 @@ def generate(
             step_input = pending if use_cache else tokens
             ids = torch.tensor([step_input], dtype=torch.long, device=device)  # [1, s]
             logits = model(ids, inference_context=context)[0, -1]  # [V_padded]
-            next_token = _sample(logits[: model.vocab_size].float(), temperature, top_k, generator)
+            next_token = _sample(logits[: m.vocab_size].float(), temperature, top_k, generator)  # true vocabulary only
             if eod is not None and next_token == eod:
                 break
             new_tokens.append(next_token)

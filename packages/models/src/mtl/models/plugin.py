@@ -7,11 +7,12 @@ from mtl.core.hookspecs import hookimpl
 from mtl.core.registrations import ModelFamily
 from mtl.models.convert_hf import HFConverter
 from mtl.models.convert_megatron import MegatronConverter
-from mtl.models.gpt import build_gpt
+from mtl.models.gpt.family import gpt_like_family
+from mtl.models.gpt.layer_spec import layer_spec
 
-GPT_FAMILY = ModelFamily(
-    name="gpt",
-    build=build_gpt,
+GPT_FAMILY = gpt_like_family(
+    "gpt",
+    layer_spec,
     converters={"hf": HFConverter(), "megatron": MegatronConverter()},
     description="GPT-2 and Llama style decoders (RoPE/learned positions, RMSNorm/LayerNorm, SwiGLU/GELU, GQA)",
 )

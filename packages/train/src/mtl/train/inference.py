@@ -11,6 +11,7 @@ from mtl.ckpt.directory import committed_iterations
 from mtl.core.config import RunConfig
 from mtl.core.config_io import config_from_dict
 from mtl.core.errors import CheckpointError, ConfigError
+from mtl.core.model_protocol import build_model
 from mtl.core.plugins import registry
 from mtl.parallel.topology import Topology
 from mtl.train.checkpointing import model_sharded_state
@@ -67,7 +68,7 @@ def load_for_inference(ckpt_dir: str | Path, device: str | torch.device = "cpu",
     topology = Topology.single()
     backend = registry("backend").get(cfg.model.backend)
     family = registry("model family").get(cfg.model.family)
-    model = family.build(cfg, topology, backend).to(device)
+    model = build_model(family, cfg, topology, backend).to(device)
     template = model_sharded_state([model], topology)
     ckpt_load(template, ckpt_dir, iteration)
     model.eval()

@@ -80,7 +80,7 @@ class ProgressDisplay:
             print(line, flush=True)
         elif self.mode == "bar":
             stats = f"loss {metrics['loss']:.4f}  {metrics['tokens_per_s']:,.0f} tok/s"
-            if self.on_gpu:
+            if self.on_gpu and "tflops_per_gpu" in metrics:  # a family without a FLOP count has none
                 stats += f"  {metrics['tflops_per_gpu']:.0f} TFLOP/s/GPU"
                 if "mfu" in metrics:
                     stats += f"  MFU {100 * metrics['mfu']:.1f}%"

@@ -11,6 +11,7 @@ import torch
 
 from mtl.core.config import RunConfig
 from mtl.core.log import get_logger
+from mtl.core.model_protocol import LanguageModel, build_model
 from mtl.core.plugins import registry
 from mtl.parallel.distributed import init_distributed
 from mtl.parallel.random import seed_everything as seed_rng_streams
@@ -29,7 +30,7 @@ class Run:
     topology: Topology
     device: torch.device
     tokenizer: Any
-    chunks: list[torch.nn.Module]  # model chunks of this rank (vpp of them), DP-wrapped
+    chunks: list[torch.nn.Module]  # model chunks of this rank (vpp of them), DP-wrapped LanguageModels
     optimizer: Any
     datasets: dict[str, Any] = field(default_factory=dict)
 
@@ -47,8 +48,9 @@ def seed_everything(seed: int, topology: Topology, device: torch.device) -> None
     seed_rng_streams(seed, topology, device)
 
 
-def build_model_chunks(config: RunConfig, topology: Topology, device: torch.device) -> list[torch.nn.Module]:
-    """This rank's model chunks: one per virtual pipeline stage, holding its global layers."""
+def build_model_chunks(config: RunConfig, topology: Topology, device: torch.device) -> list[LanguageModel]:
+    """This rank's model chunks: one per virtual pipeline stage, holding its global layers;
+    each checked against the family contract (``mtl.core.model_protocol``) as it is built."""
     from mtl.parallel.pipeline import stage_layer_range
 
     backend = registry("backend").get(config.model.backend)
@@ -62,8 +64,8 @@ def build_model_chunks(config: RunConfig, topology: Topology, device: torch.devi
         )
         first_virtual = topology.is_first_stage and chunk == 0
         last_virtual = topology.is_last_stage and chunk == p.vpp - 1
-        model = family.build(
-            config, topology, backend,
+        model = build_model(
+            family, config, topology, backend,
             pre_process=first_virtual, post_process=last_virtual, layer_range=layer_range,
         )
         chunks.append(cast_weights(model.to(device), config.train.params_dtype))

@@ -21,6 +21,7 @@ from mtl.core.spec import build_module
 from mtl.models.gpt.inference_context import InferenceContext
 from mtl.models.gpt.recompute import checkpointed
 from mtl.models.gpt.rope import apply_rotary
+from mtl.models.initialization import tag_residual_output
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class SelfAttention(nn.Module):
             input_is_parallel=True,
             sequence_parallel=sequence_parallel,
         )
+        tag_residual_output(self.linear_proj)  # writes into the residual stream: the scaled init
 
     def forward(
         self,

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtl.core.model_protocol import tag_init
 from mtl.parallel.random import get_rng_tracker
 from mtl.parallel.tensor_parallel import (
     VocabParallelEmbedding,
@@ -39,6 +40,7 @@ class GPTEmbedding(nn.Module):
         if max_position_embeddings is not None:
             # replicated on every TP rank: each rank adds the positions of its own tokens
             self.position_embeddings = nn.Embedding(max_position_embeddings, hidden_size)
+            tag_init(self.position_embeddings.weight, "normal")
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """input_ids, position_ids [b, s] -> [s(/tp), b, h]."""

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtl.core.spec import build_module
+from mtl.models.initialization import tag_residual_output
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class MLP(nn.Module):
             input_is_parallel=True,
             sequence_parallel=sequence_parallel,
         )
+        tag_residual_output(self.linear_fc2)  # writes into the residual stream: the scaled init
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[s(/tp), b, h] -> [s(/tp), b, h] (the sequence split is SP's, undone and redone by the linears)."""

@@ -4,10 +4,16 @@ One class covers GPT-2 style (learned positions, LayerNorm, GELU, biases, tied e
 and Llama style (RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases, untied head);
 the config picks, the backend supplies the leaves. A pipeline stage builds only its part:
 ``pre_process`` (the embedding), ``post_process`` (final norm, LM head, loss) and the layers
-of ``layer_range``.
+of ``layer_range``. ``layer_spec`` is the one thing a gpt-like family changes (e.g. a
+parallel attention + MLP block): ``layer_spec(config, backend) -> ModuleSpec`` of a layer whose
+forward is ``(hidden [s(/tp), b, h], rotary, inference_context) -> hidden``.
+
+It follows ``mtl.core.model_protocol.LanguageModel``, the contract every family's model keeps.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
@@ -15,10 +21,11 @@ from torch import nn
 from mtl.core.config import RunConfig
 from mtl.core.errors import ConfigError
 from mtl.core.registrations import Backend
-from mtl.core.spec import build_module
+from mtl.core.spec import ModuleSpec, build_module
 from mtl.models.gpt.embedding import GPTEmbedding
 from mtl.models.gpt.inference_context import InferenceContext
-from mtl.models.gpt.layer_spec import layer_spec, norm_spec
+from mtl.models.gpt.layer_spec import layer_spec as gpt_layer_spec
+from mtl.models.gpt.layer_spec import norm_spec
 from mtl.models.gpt.rope import RotaryEmbedding
 from mtl.models.gpt.transformer_block import TransformerBlock
 from mtl.models.gpt.transformer_layer import sequence_parallel_norm_kwargs
@@ -26,6 +33,8 @@ from mtl.models.initialization import initialize_parameters
 from mtl.models.param_layout import mark_vocab_rows
 from mtl.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from mtl.parallel.tensor_parallel.linear_cross_entropy import output_layer_cross_entropy, supports_fused_cross_entropy
+
+LayerSpec = Callable[[RunConfig, Backend], ModuleSpec]
 
 
 class GPTModel(nn.Module):
@@ -38,6 +47,7 @@ class GPTModel(nn.Module):
         pre_process: bool = True,
         post_process: bool = True,
         layer_range: tuple[int, int] | None = None,
+        layer_spec: LayerSpec = gpt_layer_spec,
     ):
         super().__init__()
         if not config.resolved:
@@ -176,12 +186,14 @@ def build_gpt(
     pre_process: bool = True,
     post_process: bool = True,
     layer_range: tuple[int, int] | None = None,
+    layer_spec: LayerSpec = gpt_layer_spec,
 ) -> GPTModel:
     """A GPT model (or one pipeline stage of it) from a resolved config, with the backend's
-    leaves, initialized from ``config.train.seed`` so that every parallel layout starts from
-    the same global weights (``mtl.models.initialization``)."""
+    leaves and the layers of ``layer_spec``, initialized from ``config.train.seed`` so that
+    every parallel layout starts from the same global weights (``mtl.models.initialization``)."""
     model = GPTModel(
-        config, topology, backend, pre_process=pre_process, post_process=post_process, layer_range=layer_range
+        config, topology, backend, pre_process=pre_process, post_process=post_process, layer_range=layer_range,
+        layer_spec=layer_spec,
     )
     initialize_parameters(model, config.train.seed, topology)
     return model

@@ -2,7 +2,8 @@
 
 Under sequence parallelism the norm sees ``[s/tp, b, h]`` with a weight replicated over TP;
 pass the topology and ``sequence_parallel=True`` and the weight (and bias) gradients are
-summed over the TP group in backward, so they are complete on every rank.
+summed over the TP group in backward, so they are complete on every rank. The weight (gain)
+starts at one and the bias at zero (``init_kind``, read by initialisation).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtl.core.model_protocol import tag_init
 from mtl.parallel.tensor_parallel.mappings import copy_to_tensor_parallel
 
 
@@ -19,8 +21,8 @@ class _Norm(nn.Module):
         super().__init__()
         self.hidden_size = hidden_size
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.bias = nn.Parameter(torch.zeros(hidden_size)) if with_bias else None
+        self.weight = tag_init(nn.Parameter(torch.ones(hidden_size)), "ones")
+        self.bias = tag_init(nn.Parameter(torch.zeros(hidden_size)), "zeros") if with_bias else None
         tp_group = topology.tp_group if topology is not None else None
         self._sp_group = tp_group if sequence_parallel else None
 

@@ -9,6 +9,8 @@ an all-gather before the column layer and a reduce-scatter after the row layer.
 Every split parameter carries ``tp_split_dim`` (0 or 1) and ``tp_partition_stride``.
 Replicated parameters (a row layer's bias) carry neither; their gradients are complete on
 every TP rank after backward (under sequence parallelism they are summed over TP here).
+Weights are tagged ``init_kind = "normal"`` and biases "zeros" (``mtl.core.model_protocol``);
+the module that uses a linear as a projection into the residual stream re-tags its weight.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 
 from mtl.core.errors import ParallelError
+from mtl.core.model_protocol import tag_init
 from mtl.parallel.tensor_parallel import mappings, wgrad_fusion
 from mtl.parallel.tensor_parallel.sharding import divide, shard_of, tp_size_and_rank
 
@@ -62,9 +65,11 @@ class ColumnParallelLinear(nn.Module):
             torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype, device=device)
         )
         mark_tp_split(self.weight, 0, stride)
+        tag_init(self.weight, "normal")
         if bias:
             self.bias = nn.Parameter(torch.empty(self.output_size_per_partition, dtype=params_dtype, device=device))
             mark_tp_split(self.bias, 0, stride)
+            tag_init(self.bias, "zeros")
         else:
             self.register_parameter("bias", None)
         self.init_std = init_std
@@ -139,8 +144,10 @@ class RowParallelLinear(nn.Module):
             torch.empty(output_size, self.input_size_per_partition, dtype=params_dtype, device=device)
         )
         mark_tp_split(self.weight, 1)
+        tag_init(self.weight, "normal")
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=params_dtype, device=device))
+            tag_init(self.bias, "zeros")
         else:
             self.register_parameter("bias", None)
         self.init_std = init_std

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtl.core.model_protocol import tag_init
 from mtl.parallel.tensor_parallel import mappings
 from mtl.parallel.tensor_parallel.layers import mark_tp_split
 from mtl.parallel.tensor_parallel.sharding import divide, shard_of, tp_size_and_rank
@@ -47,6 +48,7 @@ class VocabParallelEmbedding(nn.Module):
             torch.empty(self.vocab_end - self.vocab_start, embedding_dim, dtype=params_dtype, device=device)
         )
         mark_tp_split(self.weight, 0)
+        tag_init(self.weight, "normal")
         self.init_std = init_std
         self.reset_parameters()
 

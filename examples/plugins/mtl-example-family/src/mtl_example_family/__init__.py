@@ -1,0 +1,1 @@
+"""An example third-party mtl plugin that adds a model family."""

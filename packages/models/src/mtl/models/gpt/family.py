@@ -1,0 +1,36 @@
+"""``gpt_like_family``: the ``ModelFamily`` record of a family built on ``GPTModel``.
+
+A gpt-like variant (another layer shape on the same embedding, stack, head and loss) supplies
+only its ``layer_spec``; this wires it into ``build`` and gives the record gpt's FLOP and
+activation formulas unless the variant brings its own, so ``build`` and ``layer_spec`` can
+never disagree.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Mapping
+
+from mtl.core.registrations import ModelFamily
+from mtl.models.gpt import flops
+from mtl.models.gpt.model import LayerSpec, build_gpt
+
+
+def gpt_like_family(
+    name: str,
+    layer_spec: LayerSpec,
+    *,
+    description: str = "",
+    converters: Mapping[str, Any] | None = None,
+    flops_per_iteration: Callable[[Any], float] = flops.flops_per_iteration,
+    activation_bytes_per_layer: Callable[[Any], float] = flops.activation_bytes_per_layer,
+) -> ModelFamily:
+    return ModelFamily(
+        name=name,
+        build=functools.partial(build_gpt, layer_spec=layer_spec),
+        converters=dict(converters or {}),
+        description=description,
+        layer_spec=layer_spec,
+        flops_per_iteration=flops_per_iteration,
+        activation_bytes_per_layer=activation_bytes_per_layer,
+    )

@@ -1,0 +1,44 @@
+"""The ``gpt`` family's FLOP and activation-memory counts, Megatron's formulas so numbers compare.
+
+Family-independent arithmetic (parameter counts of a built model, weight/gradient/optimizer
+bytes) is in ``mtl.core.flops``; only what depends on this layer's shape is here.
+"""
+
+from __future__ import annotations
+
+from mtl.core.config import RunConfig
+
+
+def flops_per_iteration(cfg: RunConfig) -> float:
+    """Model FLOPs of one training iteration (forward + backward, no recompute), Megatron's formula.
+
+    Per layer and token: attention projections, attention scores, MLP; plus the LM head.
+    The leading factor 3 counts forward (1) and backward (2); 2 FLOPs per multiply-add.
+    A parallel attention + MLP block (GPT-J) has the same GEMMs and counts the same."""
+    m, t = cfg.model, cfg.train
+    assert cfg.resolved, "resolve the config first"
+    h, s, L = m.hidden_size, m.seq_length, m.num_layers
+    tokens = t.global_batch_size * s
+    q_width = m.num_attention_heads * m.head_dim
+    kv_width = m.num_query_groups * m.head_dim
+    gated = 2 if m.activation == "swiglu" else 1
+    per_token_layer = (
+        2 * h * (q_width + 2 * kv_width)  # QKV projection
+        + 2 * q_width * s  # QK^T and attention-weighted V: 4*q*s, halved for the causal mask
+        + 2 * q_width * h  # output projection
+        + 2 * h * m.ffn_hidden_size * (gated + 1)  # MLP in (gated: two) and out
+    )
+    logits = 2 * h * m.padded_vocab_size
+    return 3.0 * tokens * (L * per_token_layer + logits)
+
+
+def activation_bytes_per_layer(cfg: RunConfig) -> float:
+    """Activations one layer keeps for backward, one micro-batch on one rank: Megatron's
+    s*b*h*(34 + 5*a*s/h) bytes for 16-bit activations without recompute, divided by tp
+    (2*s*b*h/tp, the layer's input, under full recompute); doubled in fp32."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    s, b, h, a = m.seq_length // p.cp, t.micro_batch_size, m.hidden_size, m.num_attention_heads
+    per_layer = s * b * h * (34 + 5 * a * s / h) / p.tp
+    if t.recompute == "full":
+        per_layer = 2 * s * b * h / p.tp
+    return per_layer * (2 if t.precision == "fp32" else 1)

@@ -1,0 +1,43 @@
+"""The gpt family's FLOP and activation counts (``mtl.models.gpt.flops``), Megatron's formulas."""
+
+from mtl.core.config_io import load_config
+from mtl.core.plugins import registry
+from mtl.models.gpt import flops
+
+
+def reference_llama(*overrides):
+    return load_config(None, [
+        "model.num_layers=24", "model.hidden_size=2048", "model.num_attention_heads=16",
+        "model.seq_length=2048", "model.tie_embeddings=false", "train.micro_batch_size=4",
+        "train.global_batch_size=32", "train.precision=bf16", *overrides,
+    ]).resolve(world_size=1, tokenizer_vocab_size=50304)
+
+
+def test_flops_match_megatron_count_for_reference_model():
+    # Megatron's formula (causal attention halved, gated MLP 3/2) for this model: see
+    # ../shared/GPU.md, which reports about 552-554 TFLOP per iteration.
+    cfg = reference_llama()
+    m = cfg.model
+    h, s, L, V, B = m.hidden_size, m.seq_length, m.num_layers, m.padded_vocab_size, 32
+    megatron = 12 * B * s * L * h * h * (
+        (1 + m.num_query_groups / m.num_attention_heads + s / h / 2)
+        + m.ffn_hidden_size / h * 1.5
+        + V / (2 * L * h)
+    )
+    assert abs(flops.flops_per_iteration(cfg) - megatron) / megatron < 1e-9
+    assert 550e12 < flops.flops_per_iteration(cfg) < 556e12
+
+
+def test_activation_bytes_per_layer_is_megatrons_formula():
+    cfg = reference_llama()
+    s, b, h, a = 2048, 4, 2048, 16
+    assert flops.activation_bytes_per_layer(cfg) == s * b * h * (34 + 5 * a * s / h)
+    assert flops.activation_bytes_per_layer(reference_llama("train.recompute='full'")) == 2 * s * b * h
+    assert flops.activation_bytes_per_layer(reference_llama("train.precision='fp32'")) == 2 * s * b * h * (34 + 5 * a * s / h)
+
+
+def test_the_gpt_family_record_carries_its_formulas():
+    family = registry("model family").get("gpt")
+    cfg = reference_llama()
+    assert family.flops_per_iteration(cfg) == flops.flops_per_iteration(cfg)
+    assert family.activation_bytes_per_layer(cfg) == flops.activation_bytes_per_layer(cfg)
