@@ -6,7 +6,9 @@ cp, dp, distributed optimizer on or off) resumes at any other valid layout, each
 only the slices it holds. Vocabulary padding is not stored. Each tensor is written once: the
 data/context-parallel replicas take turns by parameter (so all of them write), TP replicas
 and tied copies leave it to the owner. Iteration, data position, loss scale, the resolved
-config and versions go to the metadata; RNG states are stored per rank and restored where
+config and versions go to the metadata; experts are global tensors ``[num_experts, ...]`` of
+which each expert-parallel rank holds its block (``param_layout``), written by one of the
+ranks holding that block, so a save at one ep loads at any other; RNG states are stored per rank and restored where
 the layout and device type match (elsewhere re-derived from the seed and iteration)."""
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from mtl.core.errors import CheckpointError
 from mtl.core.log import get_logger
 from mtl.core.plugins import registry
 from mtl.models.param_layout import ParamEntry, parameter_entries
+from mtl.parallel.ddp.reduce_group import is_expert_param
 from mtl.parallel.optimizer.adamw_shell import MAIN_PARAM
 from mtl.parallel.random import get_rng_tracker
 from mtl.parallel.topology import Topology
@@ -61,11 +64,15 @@ def _replica_id(topology: Topology, entry: ParamEntry, index: int) -> int:
     """0 on the one rank that writes this tensor, 1 on the ranks that hold a copy of it.
 
     Data/context-parallel replicas take turns by parameter index, so a save writes in
-    parallel over every rank; of the tensor-parallel replicas of a parameter TP does not
-    split (norms, row-parallel biases) rank 0 writes; the last pipeline stage's copy of a
-    tied embedding is never written."""
-    replicas = topology.dp * topology.cp
-    turn = index % replicas == topology.dp_rank * topology.cp + topology.cp_rank
+    parallel over every rank; an expert parameter's replicas are only the ranks holding the
+    same experts (expert-dp x cp: each ep rank's block has its own writer); of the
+    tensor-parallel replicas of a parameter TP does not split (norms, row-parallel biases)
+    rank 0 writes; the last pipeline stage's copy of a tied embedding is never written."""
+    if is_expert_param(entry.param):
+        replicas, replica = topology.expert_dp * topology.cp, topology.expert_dp_rank * topology.cp + topology.cp_rank
+    else:
+        replicas, replica = topology.dp * topology.cp, topology.dp_rank * topology.cp + topology.cp_rank
+    turn = index % replicas == replica
     tp_copy = topology.tp > 1 and getattr(entry.param, "tp_split_dim", None) is None and topology.tp_rank != 0
     return int(not turn or tp_copy or entry.is_tied_copy)
 
