@@ -43,6 +43,7 @@ def test_derived_moe_layers_and_expert_width():
         (["model.num_experts=4", "model.moe_router='topk'"], 1, "model.moe_router = 'topk'"),
         (["model.num_experts=4", "model.moe_aux_loss_coeff=-1.0"], 1, "model.moe_aux_loss_coeff = -1.0"),
         (["model.num_experts=4", "model.moe_capacity_factor=-0.5"], 1, "model.moe_capacity_factor = -0.5"),
+        (["model.num_experts=4", "model.bias=true"], 1, "model.bias = true with model.num_experts > 0"),
     ],
 )
 def test_refused(overrides, world_size, message):

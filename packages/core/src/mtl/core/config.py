@@ -404,6 +404,11 @@ def _resolve_moe(m: ModelConfig, p: ParallelConfig) -> None:
             f"model.num_experts = {m.num_experts} is not divisible by parallel.ep = {p.ep} "
             "(every expert-parallel rank holds the same number of experts)"
         )
+    if m.bias:
+        raise ConfigError(
+            "model.bias = true with model.num_experts > 0: mtl's expert MLPs have no biases "
+            "(nor have Mixtral's, Qwen-MoE's or DeepSeek's); set model.bias = false (model.qkv_bias stays available)"
+        )
     if m.moe_layer_freq < 1:
         raise ConfigError(f"model.moe_layer_freq = {m.moe_layer_freq} must be at least 1")
     if m.moe_layers is None:

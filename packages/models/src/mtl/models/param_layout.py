@@ -8,7 +8,11 @@ contiguous box of it. Checkpoints, the HF converters and the initializer all use
   over query groups is already a contiguous slice of dim 0;
 - a fused SwiGLU fc1 (tagged ``param.tp_stride = 2``) holds ``[gate_local; up_local]``, i.e.
   ``[2 * ffn_local, h]``; it is presented as ``[2, ffn, h]`` split on dim 1, so that its
-  global tensor does not depend on TP;
+  global tensor does not depend on TP (in general: dim ``tp_split_dim`` of size
+  ``stride * n_local`` is presented as ``[stride, n_local]``, split on the second);
+- an expert tensor (``param.expert_split_dim = 0``, ``mtl.models.moe.experts``) holds the
+  ``E / ep`` experts of this rank's ``topology.ep_rank``: its box on dim 0 starts at
+  ``ep_rank * E / ep`` of the global ``[E, ...]`` tensor (inside each expert, TP splits as above);
 - a last-stage output weight tied to the word embedding (``param.shared_embedding`` on a
   stage without the embedding) is the same global tensor as ``embedding.word_embeddings.weight``
   and is listed under that name;
@@ -83,6 +87,7 @@ def global_layout(model: nn.Module, topology) -> Layout:
 def parameter_entries(model: nn.Module, topology) -> list[ParamEntry]:
     """One ``ParamEntry`` per parameter of ``model`` on this rank, in module order."""
     tp, tp_rank = topology.tp, topology.tp_rank
+    ep, ep_rank = getattr(topology, "ep", 1), getattr(topology, "ep_rank", 0)
     seen: dict[str, str] = {}
     entries = []
     for name, param in model.named_parameters():
@@ -93,6 +98,10 @@ def parameter_entries(model: nn.Module, topology) -> list[ParamEntry]:
         if split_dim is not None and tp > 1:
             global_shape[split_dim] = local.shape[split_dim] * tp
             global_offset[split_dim] = local.shape[split_dim] * tp_rank
+        expert_dim = getattr(param, "expert_split_dim", None)
+        if expert_dim is not None and ep > 1:
+            global_shape[expert_dim] = local.shape[expert_dim] * ep
+            global_offset[expert_dim] = local.shape[expert_dim] * ep_rank
         vocab_rows = getattr(param, "vocab_rows", None)
         if vocab_rows is not None:
             if split_dim not in (0, None) or vocab_rows > global_shape[0]:
@@ -121,8 +130,9 @@ def _valid_rows(param: torch.Tensor, local_rows: int, row_offset: int) -> int | 
 
 
 def _split_dim(param: torch.Tensor) -> int | None:
+    """The TP-split dimension in the global view (the second of a strided dim's two)."""
     split_dim = getattr(param, "tp_split_dim", None)
-    return 1 if getattr(param, "tp_stride", 1) != 1 else split_dim
+    return split_dim + 1 if getattr(param, "tp_stride", 1) != 1 else split_dim
 
 
 def _global_view(name: str, param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
@@ -130,13 +140,15 @@ def _global_view(name: str, param: torch.Tensor, tensor: torch.Tensor) -> torch.
     stride = getattr(param, "tp_stride", 1)
     if stride == 1:
         return tensor
-    if getattr(param, "tp_split_dim", None) != 0 or tensor.shape[0] % stride:
+    dim = getattr(param, "tp_split_dim", None)
+    if dim is None or tensor.shape[dim] % stride or getattr(param, "expert_split_dim", -1) > dim:
         raise ParallelError(
-            f"parameter {name}: tp_stride = {stride} needs tp_split_dim = 0 and a first "
-            f"dimension ({tensor.shape[0]}) divisible by the stride"
+            f"parameter {name}: tp_stride = {stride} needs a tp_split_dim (have {dim}) whose size is "
+            "divisible by the stride, after any expert_split_dim"
         )
-    # [stride * n_local, ...] -> [stride, n_local, ...]; TP splits dim 1
-    return tensor.view(stride, tensor.shape[0] // stride, *tensor.shape[1:])
+    # [..., stride * n_local, ...] -> [..., stride, n_local, ...]; TP splits the second
+    shape = tensor.shape
+    return tensor.view(*shape[:dim], stride, shape[dim] // stride, *shape[dim + 1:])
 
 
 def box(global_tensor: torch.Tensor, local_shape: torch.Size, global_offset: tuple[int, ...]) -> torch.Tensor:
@@ -170,10 +182,9 @@ def load_global_state(model: nn.Module, topology, state: dict[str, torch.Tensor]
 
 def gather_global_state(model: nn.Module, topology, *, grads: bool = False) -> dict[str, torch.Tensor]:
     """The full global tensors of ``model``'s parameters (or, with ``grads``, of their
-    gradients), assembled from every TP rank: a collective over the TP group; for a single
-    process, a copy. Used by tests and exporters."""
-    import torch.distributed as dist
-
+    gradients), assembled from every TP rank and, for expert tensors, every EP rank: a
+    collective over the TP and EP groups; for a single process, a copy. Used by tests and
+    exporters."""
     group = topology.tp_group
     state = {}
     for entry in parameter_entries(model, topology):
@@ -187,12 +198,23 @@ def gather_global_state(model: nn.Module, topology, *, grads: bool = False) -> d
             raise ParallelError(f"parameter {entry.name} has no gradient; run backward first")
         source = source.detach()
         if group is None or _split_dim(entry.param) is None:
-            state[entry.global_name] = entry.view(source).clone()
-            continue
-        # gather whole slices (padding included: every rank's is the same size), then cut
-        local = _global_view(entry.name, entry.param, source).contiguous()
-        pieces = [torch.empty_like(local) for _ in range(topology.tp)]
-        dist.all_gather(pieces, local, group=group)
-        full = torch.cat(pieces, dim=_split_dim(entry.param))
-        state[entry.global_name] = full[: entry.global_shape[0]] if hasattr(entry.param, "vocab_rows") else full
+            full = entry.view(source).clone()
+        else:
+            # gather whole slices (padding included: every rank's is the same size), then cut
+            local = _global_view(entry.name, entry.param, source).contiguous()
+            full = _all_gather_cat(local, _split_dim(entry.param), topology.tp, group)
+            full = full[: entry.global_shape[0]] if hasattr(entry.param, "vocab_rows") else full
+        expert_dim = getattr(entry.param, "expert_split_dim", None)
+        ep_group = topology.group("ep") if expert_dim is not None and getattr(topology, "ep", 1) > 1 else None
+        if ep_group is not None:  # each EP rank holds its own experts
+            full = _all_gather_cat(full.contiguous(), expert_dim, topology.ep, ep_group)
+        state[entry.global_name] = full
     return state
+
+
+def _all_gather_cat(local: torch.Tensor, dim: int, size: int, group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    pieces = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(pieces, local, group=group)
+    return torch.cat(pieces, dim=dim)

@@ -6,6 +6,11 @@ tree. Where a norm feeds a linear the spec asks for the backend's fused leaf
 (``norm_column_linear`` for QKV, ``norm_mlp`` for the MLP, else ``norm_column_linear`` for fc1)
 and falls back to the separate pair; the norm stays at its place in the tree either way, so
 parameter names do not depend on the backend (``mtl.core.registrations.Backend``).
+
+With ``model.num_experts > 0`` the MLP of the layers in ``model.moe_layers`` is an
+``MoELayer`` (router, grouped experts, optional shared expert built from the backend's
+linears); the others keep the dense MLP. A fused pre-MLP norm is handed to the MoE layer,
+which applies it before routing.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from mtl.models.gpt.transformer_layer import (
     TransformerLayerSubmodules,
 )
 from mtl.models.initialization import output_init_std
+from mtl.models.moe import MoELayer, MoESubmodules
 
 
 def norm_spec(config: RunConfig, backend: Backend, size: int) -> ModuleSpec:
@@ -87,11 +93,56 @@ def layer_spec(config: RunConfig, backend: Backend) -> ModuleSpec:
             "sequence_parallel": sp,
             "fuse_input_norm": fuse_input_norm,
             "fuse_pre_mlp_norm": fuse_pre_mlp_norm,
+            "moe_layers": tuple(m.moe_layers or ()),
         },
         TransformerLayerSubmodules(
             input_norm=norm_spec(config, backend, m.hidden_size),
             self_attention=attention,
             pre_mlp_norm=norm_spec(config, backend, m.hidden_size),
             mlp=mlp,
+            moe_mlp=moe_spec(config, backend, linear) if m.num_experts else None,
         ),
+    )
+
+
+def moe_spec(config: RunConfig, backend: Backend, linear) -> ModuleSpec:
+    """The MoE MLP; ``linear`` wraps a backend factory with the FP8 settings (the shared
+    expert's linears are the backend's, the experts' grouped GEMMs mtl's own)."""
+    m = config.model
+    shared = None
+    if m.moe_shared_expert_ffn_hidden_size:
+        shared = ModuleSpec(
+            MLP,
+            {
+                "hidden_size": m.hidden_size,
+                "ffn_hidden_size": m.moe_shared_expert_ffn_hidden_size,
+                "activation": m.activation,
+                "bias": False,
+                "init_std": m.init_std,
+                "output_init_std": output_init_std(config),
+                "sequence_parallel": config.parallel.sequence_parallel,
+            },
+            MLPSubmodules(linear_fc1=linear(backend.column_linear), linear_fc2=linear(backend.row_linear)),
+        )
+    return ModuleSpec(
+        MoELayer,
+        {
+            "hidden_size": m.hidden_size,
+            "num_experts": m.num_experts,
+            "top_k": m.moe_top_k,
+            "ffn_hidden_size": m.moe_ffn_hidden_size,
+            "activation": m.activation,
+            "router": m.moe_router,
+            "norm_topk_prob": m.moe_norm_topk_prob,
+            "aux_loss_coeff": m.moe_aux_loss_coeff,
+            "z_loss_coeff": m.moe_z_loss_coeff,
+            "capacity_factor": m.moe_capacity_factor,
+            "shared_expert_gate": m.moe_shared_expert_gate,
+            "init_std": m.init_std,
+            "output_init_std": output_init_std(config),
+            "sequence_parallel": config.parallel.sequence_parallel,
+            # the schedule divides each micro-batch's loss by their number (aux_loss.py)
+            "aux_loss_scale": 1.0 / (config.train.num_micro_batches or 1),
+        },
+        MoESubmodules(shared_experts=shared),
     )

@@ -1,5 +1,6 @@
 """One pre-norm transformer layer: input norm -> self-attention -> residual -> pre-MLP norm
--> MLP -> residual. Its parts come from a ``ModuleSpec`` (see ``layer_spec.py``).
+-> MLP -> residual. Its parts come from a ``ModuleSpec`` (see ``layer_spec.py``); the MLP of
+the layers listed in ``moe_layers`` is ``submodules.moe_mlp`` (a mixture of experts).
 
 With a backend that fuses a norm into the linear after it (``fuse_input_norm``: into QKV;
 ``fuse_pre_mlp_norm``: into the MLP's fc1 or the whole MLP) the norm is still built here and
@@ -24,6 +25,7 @@ class TransformerLayerSubmodules:
     self_attention: Any
     pre_mlp_norm: Any
     mlp: Any
+    moe_mlp: Any = None  # the MLP of the layers in ``moe_layers`` (mtl.models.moe.MoELayer)
 
 
 def sequence_parallel_norm_kwargs(sequence_parallel: bool, topology) -> dict:
@@ -44,6 +46,7 @@ class TransformerLayer(nn.Module):
         submodules: TransformerLayerSubmodules,
         fuse_input_norm: bool = False,
         fuse_pre_mlp_norm: bool = False,
+        moe_layers: tuple[int, ...] = (),
     ):
         super().__init__()
         self.layer_number = layer_number  # global, 0-based
@@ -57,7 +60,8 @@ class TransformerLayer(nn.Module):
             **({"input_norm": self.input_norm} if fuse_input_norm else {}),
         )
         self.pre_mlp_norm = build_module(submodules.pre_mlp_norm, **norm_kwargs)
-        self.mlp = build_module(submodules.mlp, topology=topology, **({"norm": self.pre_mlp_norm} if fuse_pre_mlp_norm else {}))
+        mlp = submodules.moe_mlp if layer_number in moe_layers else submodules.mlp
+        self.mlp = build_module(mlp, topology=topology, **({"norm": self.pre_mlp_norm} if fuse_pre_mlp_norm else {}))
 
     def forward(
         self,

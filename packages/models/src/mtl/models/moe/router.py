@@ -1,0 +1,110 @@
+"""The top-k router: which experts each token goes to, with what weight, and the router's
+auxiliary losses.
+
+- ``softmax`` (Mixtral, Qwen-MoE): probabilities over all experts, the top k kept; with
+  ``norm_topk_prob`` they are rescaled to sum to one (Mixtral), else kept as they are (Qwen2-MoE's
+  default).
+- ``sigmoid`` (DeepSeek-V3): an independent score per expert, the top k kept and (with
+  ``norm_topk_prob``) normalised over the k.
+
+Logits are computed in fp32 whatever the autocast: routing decisions flip on small
+differences, and the losses below need fp32 anyway.
+
+Load-balancing loss (Switch Transformer, as Megatron computes it): ``coeff * E * sum_i f_i * P_i``
+with ``f_i`` the share of the ``T * k`` routed slots that went to expert i (counted before any
+capacity drop, not differentiable) and ``P_i`` the mean over tokens of expert i's probability
+(softmax) or normalised score (sigmoid). Perfect balance gives ``coeff``. Router z-loss (ST-MoE):
+``coeff * mean_t logsumexp(logits_t)^2``.
+
+Capacity (``capacity_factor``): each expert takes at most ``ceil(T * k * factor / E)`` slots;
+past that the slots with the lowest scores are dropped (Megatron's "probs" policy; ranked by
+the score before top-k normalisation, which with k = 1 would make every weight one).
+A dropped slot contributes nothing; the token keeps its other experts and the residual.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class Routing:
+    """Where the ``T`` tokens of one forward go."""
+
+    probs: torch.Tensor  # [T, k] fp32: each slot's weight in the combination
+    expert_ids: torch.Tensor  # [T, k] int64: global expert numbers
+    keep: torch.Tensor | None  # [T, k] bool: slots within capacity (None: dropless, all kept)
+    aux_loss: torch.Tensor  # [] fp32, the load-balancing loss with its coefficient
+    z_loss: torch.Tensor  # [] fp32, the z-loss with its coefficient
+    dropped: torch.Tensor  # [] int64: slots dropped for capacity
+
+
+def load_balancing_loss(scores_for_aux: torch.Tensor, expert_ids: torch.Tensor, coeff: float) -> torch.Tensor:
+    """``coeff * E * sum_i f_i * P_i`` from ``scores_for_aux [T, E]`` (rows sum to one) and the
+    routed ``expert_ids [T, k]``."""
+    num_tokens, num_experts = scores_for_aux.shape
+    slots_per_expert = torch.bincount(expert_ids.reshape(-1), minlength=num_experts).to(scores_for_aux.dtype)
+    fraction = slots_per_expert / expert_ids.numel()  # f_i: sums to one
+    mean_prob = scores_for_aux.mean(dim=0)  # P_i
+    return coeff * num_experts * torch.sum(fraction * mean_prob)
+
+
+def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
+    """``coeff * mean(logsumexp(logits)^2)``: keeps the router's logits small (ST-MoE)."""
+    return coeff * torch.logsumexp(logits, dim=-1).square().mean()
+
+
+def capacity_keep(scores: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """[T, k] bool: the slots each expert keeps, its ``capacity`` highest-scored ones
+    (``scores [T, k]``: each slot's score for its expert)."""
+    num_tokens = scores.shape[0]
+    if capacity >= num_tokens:  # no expert can receive more than every token once
+        return torch.ones_like(expert_ids, dtype=torch.bool)
+    dense = torch.zeros(num_tokens, num_experts, dtype=scores.dtype, device=scores.device)
+    dense.scatter_(1, expert_ids, scores.detach())  # [T, E]: a token's score for each expert, 0 if not routed
+    routed = torch.zeros_like(dense, dtype=torch.bool).scatter_(1, expert_ids, True)
+    top_tokens = torch.topk(dense, capacity, dim=0).indices  # [capacity, E]
+    within = torch.zeros_like(routed).scatter_(0, top_tokens, True)
+    return (routed & within).gather(1, expert_ids)
+
+
+class TopKRouter(nn.Module):
+    """``weight [E, h]`` (replicated over TP and EP): hidden ``[T, h]`` -> ``Routing``."""
+
+    def __init__(self, *, hidden_size: int, num_experts: int, top_k: int, score_function: str,
+                 norm_topk_prob: bool, aux_loss_coeff: float, z_loss_coeff: float,
+                 capacity_factor: float | None, init_std: float = 0.02):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.score_function, self.norm_topk_prob = score_function, norm_topk_prob
+        self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
+        self.capacity_factor = capacity_factor
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.weight.init_kind = "normal"
+        nn.init.normal_(self.weight, std=init_std)
+
+    def forward(self, hidden: torch.Tensor) -> Routing:
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = F.linear(hidden.float(), self.weight.float())  # [T, E] fp32
+        if self.score_function == "softmax":
+            scores = torch.softmax(logits, dim=-1)
+            scores_for_aux = scores
+        else:
+            scores = torch.sigmoid(logits)
+            scores_for_aux = scores / scores.sum(dim=-1, keepdim=True)
+        top_scores, expert_ids = torch.topk(scores, self.top_k, dim=-1)  # [T, k]
+        probs = top_scores / top_scores.sum(dim=-1, keepdim=True) if self.norm_topk_prob else top_scores
+        zero = logits.new_zeros(())
+        aux = load_balancing_loss(scores_for_aux, expert_ids, self.aux_loss_coeff) if self.aux_loss_coeff else zero
+        zl = z_loss(logits, self.z_loss_coeff) if self.z_loss_coeff else zero
+        keep, dropped = None, torch.zeros((), dtype=torch.int64, device=hidden.device)
+        if self.capacity_factor:
+            capacity = math.ceil(hidden.shape[0] * self.top_k * self.capacity_factor / self.num_experts)
+            keep = capacity_keep(top_scores, expert_ids, self.num_experts, capacity)
+            dropped = (~keep).sum()
+        return Routing(probs, expert_ids, keep, aux, zl, dropped)
