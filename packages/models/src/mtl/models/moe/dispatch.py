@@ -22,8 +22,8 @@ sum each token's slots back in slot order (deterministic: no atomic scatter-add)
 With ``parallel.ep > 1`` an all-to-all dispatcher sends each slot to the rank holding its
 expert (rank j holds experts ``[j * E/ep, (j + 1) * E/ep)``), calls ``experts`` on what it
 received for its local experts with their ``tokens_per_expert`` counts, sends the outputs
-back and combines as here; ``build_dispatcher`` looks it up as
-``mtl.parallel.expert_parallel.AllToAllDispatcher(num_experts=..., topology=...)``.
+back and combines as here: ``alltoall_dispatch.AllToAllDispatcher(num_experts=..., topology=...)``,
+over ``mtl.parallel.expert_parallel.TokenExchange``.
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 import torch
-
-from mtl.core.errors import ParallelError
 
 Experts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -83,11 +81,6 @@ def build_dispatcher(num_experts: int, topology) -> TokenDispatcher:
     ep = getattr(topology, "ep", 1) if topology is not None else 1
     if ep == 1:
         return LocalDispatcher(num_experts)
-    try:
-        from mtl.parallel.expert_parallel import AllToAllDispatcher  # noqa: PLC0415 (only where ep > 1)
-    except ImportError as exc:
-        raise ParallelError(
-            f"parallel.ep = {ep} needs the all-to-all token dispatcher "
-            "(mtl.parallel.expert_parallel.AllToAllDispatcher), which this mtl-parallel does not have"
-        ) from exc
+    from mtl.models.moe.alltoall_dispatch import AllToAllDispatcher  # noqa: PLC0415 (it imports this module)
+
     return AllToAllDispatcher(num_experts=num_experts, topology=topology)
