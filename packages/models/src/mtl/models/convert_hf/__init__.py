@@ -1,5 +1,6 @@
 """Hugging Face <-> mtl conversion for the ``gpt`` family: GPT-2, Llama (incl. tied embeddings
-and Llama 3 RoPE scaling), Mistral and Qwen2 checkpoints, one tensor at a time.
+and Llama 3 RoPE scaling), Mistral and Qwen2 checkpoints, and the mixtures of experts Mixtral,
+Qwen2-MoE and Qwen3-MoE, one tensor at a time.
 
 ``HFConverter().stream_to_mtl(hf_dir) -> (model_section, TensorStream)``: our ``[model]``
 config keys, and every parameter as a full global tensor in ``mtl.models.param_layout``'s
@@ -22,7 +23,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from mtl.core.errors import CheckpointError, ConfigError
-from mtl.models.convert_hf import gpt2, llama, mistral, qwen2
+from mtl.models.convert_hf import gpt2, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3_moe
 from mtl.models.convert_hf.common import Read, TensorSource, TensorStream, as_source, stream
 from mtl.models.convert_hf.safetensors_io import DEFAULT_MAX_SHARD_BYTES, SafetensorsReader, write_safetensors
 
@@ -51,6 +52,12 @@ ARCHITECTURES = {
                        mistral.check_mistral_exportable, llama.llama_from_mtl, mistral.mistral_config),
         HFArchitecture("qwen2", qwen2.qwen2_model_section, llama.llama_to_mtl, llama.llama_ignored,
                        qwen2.check_qwen2_exportable, llama.llama_from_mtl, qwen2.qwen2_config),
+        HFArchitecture("mixtral", mixtral.mixtral_model_section, mixtral.mixtral_to_mtl, llama.llama_ignored,
+                       mixtral.check_mixtral_exportable, mixtral.mixtral_from_mtl, mixtral.mixtral_config),
+        HFArchitecture("qwen2_moe", qwen2_moe.qwen2_moe_model_section, qwen2_moe.qwen_moe_to_mtl, llama.llama_ignored,
+                       qwen2_moe.check_qwen2_moe_exportable, qwen2_moe.qwen_moe_from_mtl, qwen2_moe.qwen2_moe_config),
+        HFArchitecture("qwen3_moe", qwen3_moe.qwen3_moe_model_section, qwen2_moe.qwen_moe_to_mtl, llama.llama_ignored,
+                       qwen3_moe.check_qwen3_moe_exportable, qwen2_moe.qwen_moe_from_mtl, qwen3_moe.qwen3_moe_config),
     )
 }
 
@@ -67,10 +74,15 @@ def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
 
 def default_architecture(m) -> str:
     """GPT-2 for learned positions + LayerNorm + GELU; for RoPE + RMSNorm + SwiGLU, Qwen2 when
-    only q/k/v have biases, else Llama."""
+    only q/k/v have biases, else Llama; with experts, Qwen2-MoE for a shared expert, Qwen3-MoE
+    for QK-norm, else Mixtral."""
     style = (m.position_embedding, m.normalization, m.activation)
     if style == ("learned", "layernorm", "gelu"):
         return "gpt2"
+    if style == ("rope", "rmsnorm", "swiglu") and getattr(m, "num_experts", 0):
+        if m.moe_shared_expert_ffn_hidden_size:
+            return "qwen2_moe"
+        return "qwen3_moe" if m.qk_norm else "mixtral"
     if style == ("rope", "rmsnorm", "swiglu"):
         return "qwen2" if m.qkv_bias and not m.bias else "llama"
     raise ConfigError(

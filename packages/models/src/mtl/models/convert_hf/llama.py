@@ -102,8 +102,39 @@ def llama_ignored(section: dict[str, Any]):
     return (IGNORED_TIED if section["tie_embeddings"] else IGNORED_UNTIED).match
 
 
-def llama_to_mtl(section: dict[str, Any], read: Read) -> Iterator[tuple[str, torch.Tensor]]:
-    """Our tensors from a Llama-style checkpoint's, one at a time (q/k/v and gate/up as groups)."""
+def swiglu_to_mtl(hf_prefix: str, ours: str, read: Read, suffixes=("weight",)) -> Iterator[tuple[str, torch.Tensor]]:
+    """A SwiGLU MLP's gate/up/down (``hf_prefix`` + ``gate_proj.weight`` ...) as our fc1 ``[2, ffn, ...]``
+    (gate then up, the layout of our fused fc1) and fc2 (``ours`` + ``linear_fc1.weight`` ...)."""
+    for suffix in suffixes:
+        gate_up = [read(hf_prefix + f"gate_proj.{suffix}"), read(hf_prefix + f"up_proj.{suffix}")]
+        yield ours + f"linear_fc1.{suffix}", torch.stack(gate_up)
+        del gate_up
+        yield ours + f"linear_fc2.{suffix}", read(hf_prefix + f"down_proj.{suffix}")
+
+
+def swiglu_from_mtl(hf_prefix: str, ours: str, read: Read, suffixes=("weight",)) -> Iterator[tuple[str, torch.Tensor]]:
+    """The inverse of ``swiglu_to_mtl``."""
+    for suffix in suffixes:
+        fc1 = read(ours + f"linear_fc1.{suffix}")  # [2, ffn, ...]
+        yield hf_prefix + f"gate_proj.{suffix}", fc1[0]
+        yield hf_prefix + f"up_proj.{suffix}", fc1[1]
+        del fc1
+        yield hf_prefix + f"down_proj.{suffix}", read(ours + f"linear_fc2.{suffix}")
+
+
+def dense_mlp_to_mtl(section: dict[str, Any], i: int, read: Read) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from swiglu_to_mtl(f"model.layers.{i}.mlp.", f"layers.{i}.mlp.", read,
+                             ("weight", "bias") if section["bias"] else ("weight",))
+
+
+def dense_mlp_from_mtl(m, i: int, read: Read) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from swiglu_from_mtl(f"model.layers.{i}.mlp.", f"layers.{i}.mlp.", read,
+                               ("weight", "bias") if m.bias else ("weight",))
+
+
+def llama_to_mtl(section: dict[str, Any], read: Read, mlp_to_mtl=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our tensors from a Llama-style checkpoint's, one at a time (q/k/v and gate/up as groups).
+    ``mlp_to_mtl(section, layer, read)`` converts a layer's MLP where it is not Llama's (MoE)."""
     groups = section["num_query_groups"]
     all_bias, qkv_bias = section["bias"], section["bias"] or section["qkv_bias"]
     yield "embedding.word_embeddings.weight", read("model.embed_tokens.weight")
@@ -114,15 +145,13 @@ def llama_to_mtl(section: dict[str, Any], read: Read) -> Iterator[tuple[str, tor
             qkv = [read(hf_layer + f"self_attn.{p}_proj.{suffix}") for p in "qkv"]
             yield ours + f"self_attention.linear_qkv.{suffix}", fuse_qkv(*qkv, num_groups=groups)
             del qkv  # freed before the next read
+        if section.get("qk_norm"):  # Qwen3: RMSNorm over each head's dimension
+            for p in "qk":
+                yield ours + f"self_attention.{p}_norm.weight", read(hf_layer + f"self_attn.{p}_norm.weight")
         for suffix in ("weight", "bias") if all_bias else ("weight",):
             yield ours + f"self_attention.linear_proj.{suffix}", read(hf_layer + f"self_attn.o_proj.{suffix}")
         yield ours + "pre_mlp_norm.weight", read(hf_layer + "post_attention_layernorm.weight")
-        for suffix in ("weight", "bias") if all_bias else ("weight",):
-            # [2, ffn, ...]: gate then up, the layout of our fused SwiGLU fc1
-            gate_up = [read(hf_layer + f"mlp.gate_proj.{suffix}"), read(hf_layer + f"mlp.up_proj.{suffix}")]
-            yield ours + f"mlp.linear_fc1.{suffix}", torch.stack(gate_up)
-            del gate_up
-            yield ours + f"mlp.linear_fc2.{suffix}", read(hf_layer + f"mlp.down_proj.{suffix}")
+        yield from (mlp_to_mtl or dense_mlp_to_mtl)(section, i, read)
     yield "final_norm.weight", read("model.norm.weight")
     if not section["tie_embeddings"]:
         yield "output_layer.weight", read("lm_head.weight")
@@ -141,8 +170,9 @@ def check_llama_like_exportable(m, architecture: str, *, qkv_bias_only: bool) ->
         )
 
 
-def llama_from_mtl(m, read: Read) -> Iterator[tuple[str, torch.Tensor]]:
-    """A Llama-style checkpoint's tensors from ours, one at a time."""
+def llama_from_mtl(m, read: Read, mlp_from_mtl=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """A Llama-style checkpoint's tensors from ours, one at a time (``mlp_from_mtl(m, layer,
+    read)``: a layer's MLP where it is not Llama's)."""
     all_bias, qkv_bias = m.bias, m.bias or m.qkv_bias
     yield "model.embed_tokens.weight", read("embedding.word_embeddings.weight")
     for i in range(m.num_layers):
@@ -154,15 +184,13 @@ def llama_from_mtl(m, read: Read) -> Iterator[tuple[str, torch.Tensor]]:
             del fused
             for p in "qkv":
                 yield hf_layer + f"self_attn.{p}_proj.{suffix}", parts.pop(0)  # dropped as it goes
+        if m.qk_norm:
+            for p in "qk":
+                yield hf_layer + f"self_attn.{p}_norm.weight", read(ours + f"self_attention.{p}_norm.weight")
         for suffix in ("weight", "bias") if all_bias else ("weight",):
             yield hf_layer + f"self_attn.o_proj.{suffix}", read(ours + f"self_attention.linear_proj.{suffix}")
         yield hf_layer + "post_attention_layernorm.weight", read(ours + "pre_mlp_norm.weight")
-        for suffix in ("weight", "bias") if all_bias else ("weight",):
-            fc1 = read(ours + f"mlp.linear_fc1.{suffix}")  # [2, ffn, ...]
-            yield hf_layer + f"mlp.gate_proj.{suffix}", fc1[0]
-            yield hf_layer + f"mlp.up_proj.{suffix}", fc1[1]
-            del fc1
-            yield hf_layer + f"mlp.down_proj.{suffix}", read(ours + f"mlp.linear_fc2.{suffix}")
+        yield from (mlp_from_mtl or dense_mlp_from_mtl)(m, i, read)
     yield "model.norm.weight", read("final_norm.weight")
     if not m.tie_embeddings:
         yield "lm_head.weight", read("output_layer.weight")

@@ -1,0 +1,79 @@
+"""What the MoE converters (Mixtral, Qwen2-MoE, Qwen3-MoE) share: the expert tensors, the
+router's config keys, and which layers are MoE.
+
+HF checkpoints keep one tensor per expert and projection (``experts.{e}.w1.weight`` or
+``experts.{e}.gate_proj.weight`` ``[ffn, h]``, the way ``save_pretrained`` writes them);
+ours stack them: ``experts.linear_fc1.weight [E, 2, ffn, h]`` (gate, up per expert) and
+``experts.linear_fc2.weight [E, h, ffn]`` (``mtl.models.moe.experts``).
+
+HF's load-balancing loss (``router_aux_loss_coef``) sums its per-choice token fractions over
+the k choices, so it is k times ours (``mtl.models.moe.router``) for the same coefficient:
+``moe_aux_loss_coeff = top_k * router_aux_loss_coef``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+
+from mtl.core.errors import ConfigError
+from mtl.models.convert_hf.common import Read
+
+
+def experts_to_mtl(hf_prefix: str, ours: str, num_experts: int, names: tuple[str, str, str],
+                   read: Read) -> Iterator[tuple[str, torch.Tensor]]:
+    """``hf_prefix{e}.{gate|up|down}.weight`` for every expert -> our two stacked tensors."""
+    gate, up, down = names
+    fc1 = [torch.stack([read(f"{hf_prefix}{e}.{gate}.weight"), read(f"{hf_prefix}{e}.{up}.weight")])
+           for e in range(num_experts)]
+    yield ours + "experts.linear_fc1.weight", torch.stack(fc1)  # [E, 2, ffn, h]
+    del fc1
+    yield ours + "experts.linear_fc2.weight", torch.stack([read(f"{hf_prefix}{e}.{down}.weight")
+                                                           for e in range(num_experts)])  # [E, h, ffn]
+
+
+def experts_from_mtl(hf_prefix: str, ours: str, num_experts: int, names: tuple[str, str, str],
+                     read: Read) -> Iterator[tuple[str, torch.Tensor]]:
+    """The inverse of ``experts_to_mtl``."""
+    gate, up, down = names
+    fc1 = read(ours + "experts.linear_fc1.weight")
+    for e in range(num_experts):
+        yield f"{hf_prefix}{e}.{gate}.weight", fc1[e, 0]
+        yield f"{hf_prefix}{e}.{up}.weight", fc1[e, 1]
+    del fc1
+    fc2 = read(ours + "experts.linear_fc2.weight")
+    for e in range(num_experts):
+        yield f"{hf_prefix}{e}.{down}.weight", fc2[e]
+
+
+def router_section(hf: dict[str, Any], num_experts: int, norm_topk_prob: bool) -> dict[str, Any]:
+    """The ``[model]`` MoE keys every HF softmax router shares."""
+    top_k = hf["num_experts_per_tok"]
+    return {
+        "num_experts": num_experts,
+        "moe_top_k": top_k,
+        "moe_router": "softmax",
+        "moe_norm_topk_prob": norm_topk_prob,
+        "moe_aux_loss_coeff": top_k * float(hf.get("router_aux_loss_coef", 0.001)),
+    }
+
+
+def router_config(m) -> dict[str, Any]:
+    return {"num_experts_per_tok": m.moe_top_k, "router_aux_loss_coef": m.moe_aux_loss_coeff / m.moe_top_k,
+            "output_router_logits": False}
+
+
+def check_moe_exportable(m, architecture: str, *, norm_topk_prob: bool | None = None) -> None:
+    """What every HF MoE architecture needs: experts, a softmax router, SwiGLU experts."""
+    if not m.num_experts:
+        raise ConfigError(f"{architecture} export needs model.num_experts > 0 (this model is dense)")
+    if m.moe_router != "softmax":
+        raise ConfigError(f"{architecture} export: model.moe_router = {m.moe_router!r}; {architecture} routes by softmax")
+    if m.activation != "swiglu":
+        raise ConfigError(f"{architecture} export: model.activation = {m.activation!r}; its experts are SwiGLU")
+    if norm_topk_prob is not None and m.moe_norm_topk_prob != norm_topk_prob:
+        raise ConfigError(
+            f"{architecture} export needs model.moe_norm_topk_prob = {str(norm_topk_prob).lower()} "
+            f"(have {str(m.moe_norm_topk_prob).lower()})"
+        )
