@@ -1,5 +1,6 @@
-"""Expert parameters under data parallelism, on 4 gloo processes (dp=4, ep=2: two ranks hold
-experts 0-1, two hold experts 2-3).
+"""Expert parameters under data parallelism, on 4 gloo processes: dp=4, ep=2 (two ranks hold
+experts 0-1, two hold experts 2-3), then cp=2 x dp=2, ep=2 (the cp peers hold the same
+experts and see other tokens: expert gradients are summed over them too).
 
 A toy MoE (a dense linear, then per-token experts reached through the all-to-all) trains 3
 AdamW steps with clipping, once with the replicated and once with the distributed optimizer.
@@ -65,16 +66,16 @@ def loss_of(model, x, route):
     return model(x, route).square().mean()
 
 
-def reference(dp: int) -> list[dict]:
+def reference(num_batches: int) -> list[dict]:
     """One process, all experts: per step the gradients, the norm, the updated parameters and
-    the final moments, for the loss averaged over the dp ranks' batches."""
+    the final moments, for the loss averaged over the dp x cp ranks' batches."""
     model = ToyMoE(full_weights(), 0, NUM_EXPERTS)
     decay = [model.dense.weight, model.expert_weight]
     opt = torch.optim.AdamW([{"params": decay}, {"params": [model.expert_bias], "weight_decay": 0.0}], **ADAMW)
     steps = []
     for step in range(STEPS):
         opt.zero_grad()
-        (sum(loss_of(model, *batch(step, r)) for r in range(dp)) / dp).backward()
+        (sum(loss_of(model, *batch(step, r)) for r in range(num_batches)) / num_batches).backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5 if step else float("inf")))
         opt.step()
@@ -88,7 +89,7 @@ def train_and_compare(topo: Topology, distributed: bool, ref: list[dict]) -> Non
     num_local = NUM_EXPERTS // topo.ep
     first = topo.ep_rank * num_local
     full = full_weights()
-    if topo.expert_dp_rank != 0:  # wrong on purpose: the broadcast must fix it (see the docstring)
+    if topo.expert_dp_rank != 0 or topo.cp_rank != 0:  # wrong on purpose: the broadcast must fix it
         full = {n: t + 1.0 for n, t in full.items()}
     model = DataParallel(ToyMoE(full, first, num_local, topo.group("ep")), topo, bucket_size_mb=1e-4,
                          use_distributed_optimizer=distributed)
@@ -96,7 +97,7 @@ def train_and_compare(topo: Topology, distributed: bool, ref: list[dict]) -> Non
     mine = lambda name, t: t[first : first + num_local] if name.startswith("expert") else t  # noqa: E731
     for step in range(STEPS):
         opt.zero_grad()
-        loss_of(model, *batch(step, topo.dp_rank)).backward()
+        loss_of(model, *batch(step, topo.dp_rank * topo.cp + topo.cp_rank)).backward()
         model.finish_grad_sync()
         for name, p in model.module.named_parameters():
             expected = mine(name, ref[step]["grads"][name]).reshape(-1)
@@ -116,13 +117,17 @@ def train_and_compare(topo: Topology, distributed: bool, ref: list[dict]) -> Non
             torch.testing.assert_close(tensor, expected, **TOL, msg=lambda m: f"{names[id(param)]} {moment}: {m}")
 
 
-def dp4_ep2_training():
-    topo = Topology.build(ep=2)
-    ref = reference(topo.dp)
-    train_and_compare(topo, distributed=False, ref=ref)
-    train_and_compare(topo, distributed=True, ref=ref)
-    return topo.ep_rank, topo.expert_dp_rank
+def ep2_training() -> list[tuple[int, int, int]]:
+    ref = reference(4)
+    coords = []
+    for layout in ({"ep": 2}, {"cp": 2, "ep": 2}):
+        topo = Topology.build(**layout)
+        train_and_compare(topo, distributed=False, ref=ref)
+        train_and_compare(topo, distributed=True, ref=ref)
+        coords.append((topo.ep_rank, topo.expert_dp_rank, topo.cp_rank))
+    return coords
 
 
-def test_dp4_ep2_expert_gradients_norm_and_both_optimizers_equal_one_process():
-    assert run_distributed(dp4_ep2_training, world_size=4) == [(0, 0), (1, 0), (0, 1), (1, 1)]
+def test_ep2_expert_gradients_norm_and_both_optimizers_equal_one_process():
+    assert run_distributed(ep2_training, world_size=4) == [
+        [(0, 0, 0), (0, 0, 0)], [(1, 0, 0), (0, 0, 1)], [(0, 1, 0), (1, 0, 0)], [(1, 1, 0), (1, 0, 1)]]

@@ -21,13 +21,12 @@ import torch.distributed as dist
 from mtl.parallel.expert_parallel.all_to_all import all_to_all, exchange_counts
 
 
-def _block_regrouping(counts: torch.Tensor) -> torch.Tensor:
-    """``counts [a, b]`` sizes of row blocks stored a-major -> the row indices that list the
-    same rows b-major (every block kept whole, in order)."""
+def _block_regrouping(counts: torch.Tensor, total: int) -> torch.Tensor:
+    """``counts [a, b]`` sizes of row blocks stored a-major (``total`` rows, known on the host)
+    -> the row indices that list the same rows b-major (every block kept whole, in order)."""
     flat = counts.reshape(-1)
     starts = (torch.cumsum(flat, 0) - flat).view_as(counts).t().reshape(-1)  # b-major block starts
     lengths = counts.t().reshape(-1)
-    total = int(flat.sum())
     block_of_row = torch.repeat_interleave(torch.arange(lengths.numel(), device=counts.device), lengths, output_size=total)
     first_out = torch.cumsum(lengths, 0) - lengths  # where each block starts in the output
     within = torch.arange(total, device=counts.device) - first_out[block_of_row]
@@ -45,7 +44,7 @@ class TokenExchange:
         self.send_splits = send.sum(1).tolist()
         self.recv_splits = recv.sum(1).tolist()
         self.tokens_per_local_expert = recv.sum(0)  # [E/ep], on the counts' device
-        self.regroup = _block_regrouping(recv)  # (source, expert) order -> (expert, source) order
+        self.regroup = _block_regrouping(recv, sum(self.recv_splits))  # (source, expert) order -> (expert, source) order
         self.inverse = torch.empty_like(self.regroup)
         self.inverse[self.regroup] = torch.arange(self.regroup.numel(), device=self.regroup.device)
 
