@@ -146,3 +146,16 @@ def test_moe_gpt_trains_on_cpu(make_config):
     assert losses[-1] < 0.5 * losses[0], losses
     metrics = moe_step_metrics([model], Topology.single())
     assert metrics["moe_aux_loss"] > 0 and 0 <= metrics["moe_dropped_fraction"] < 1
+
+
+def test_full_recompute_gives_the_same_gradients_and_counts_each_forward_once(make_config):
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(4))
+    grads = {}
+    for recompute in ("none", "full"):
+        config = make_config("llama", model={**MOE, "moe_capacity_factor": 1.0}, train={"recompute": recompute})
+        model = build_gpt(config, Topology.single(), registry("backend").get("local"))
+        model(ids, labels=torch.roll(ids, -1, 1)).mean().backward()
+        grads[recompute] = {n: p.grad for n, p in model.named_parameters()}
+        assert [layer.mlp.stats.forwards for layer in model.layers.values()] == [1, 1]
+    for name, grad in grads["none"].items():
+        torch.testing.assert_close(grads["full"][name], grad, rtol=0, atol=0, msg=name)

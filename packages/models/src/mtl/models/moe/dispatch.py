@@ -35,6 +35,14 @@ import torch
 Experts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def count_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int64: how many entries of ``expert_ids`` name each expert. A scatter-add rather
+    than ``bincount``, whose output size depends on the data and so breaks a compiled graph."""
+    flat = expert_ids.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
+
+
 class TokenDispatcher(Protocol):
     def __call__(self, hidden: torch.Tensor, probs: torch.Tensor, expert_ids: torch.Tensor,
                  keep: torch.Tensor | None, experts: Experts) -> torch.Tensor: ...
@@ -71,7 +79,7 @@ class LocalDispatcher:
                  keep: torch.Tensor | None, experts: Experts) -> torch.Tensor:
         top_k = expert_ids.shape[1]
         slots, sorted_ids = sort_slots(expert_ids, keep)
-        tokens_per_expert = torch.bincount(sorted_ids, minlength=self.num_experts)  # [E]
+        tokens_per_expert = count_per_expert(sorted_ids, self.num_experts)  # [E]
         outputs = experts(hidden[slots // top_k], tokens_per_expert)  # [N, h]
         return combine_slots(outputs, slots, probs, hidden.dtype)
 

@@ -20,8 +20,6 @@ loop of per-expert matmuls over the sorted tokens is the fallback, with the same
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -55,9 +53,19 @@ class _ExpertWeight(nn.Module):
         nn.init.normal_(self.weight, std=init_std)
 
 
-@functools.cache
+_GROUPED_MM_WORKS: dict[tuple[str, torch.dtype], bool] = {}
+
+
+@torch.compiler.assume_constant_result  # torch.compile runs it eagerly and keeps the answer
 def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` runs (forward and backward) on this device and dtype."""
+    key = (device_type, dtype)
+    if key not in _GROUPED_MM_WORKS:
+        _GROUPED_MM_WORKS[key] = _probe_grouped_mm(device_type, dtype)
+    return _GROUPED_MM_WORKS[key]
+
+
+def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
@@ -99,6 +107,8 @@ class GroupedExperts(nn.Module):
         if self.use_grouped_mm is False:
             return False
         dtype = _compute_dtype(tokens)
+        if torch.compiler.is_compiling() and dtype != torch.bfloat16:
+            return False  # the op's shape function (what torch.compile traces) accepts bf16 only
         align = 16 // torch.empty((), dtype=dtype).element_size()  # elements per 16 bytes
         widths = (*self.linear_fc1.weight.shape[1:], self.linear_fc2.weight.shape[2])
         return all(w % align == 0 for w in widths) and _grouped_mm_works(tokens.device.type, dtype)

@@ -115,6 +115,7 @@ class MoELayer(nn.Module):
                     gate_weight = mappings.copy_to_tensor_parallel(gate_weight, self.tp_group)
                 shared = torch.sigmoid(F.linear(hidden, gate_weight)) * shared  # gate [s(/tp), b, 1]
             output = output + shared
-        if self.training:
+        output = attach_aux_loss(output, routing.aux_loss + routing.z_loss, self.aux_loss_scale)
+        if self.training:  # last: outside torch.compile's graph (see MoEStats.record)
             self.stats.record(routing.aux_loss, routing.z_loss, routing.dropped, routing.expert_ids.numel())
-        return attach_aux_loss(output, routing.aux_loss + routing.z_loss, self.aux_loss_scale)
+        return output

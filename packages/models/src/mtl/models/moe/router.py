@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtl.models.moe.dispatch import count_per_expert
+
 
 @dataclass
 class Routing:
@@ -48,7 +50,7 @@ def load_balancing_loss(scores_for_aux: torch.Tensor, expert_ids: torch.Tensor, 
     """``coeff * E * sum_i f_i * P_i`` from ``scores_for_aux [T, E]`` (rows sum to one) and the
     routed ``expert_ids [T, k]``."""
     num_tokens, num_experts = scores_for_aux.shape
-    slots_per_expert = torch.bincount(expert_ids.reshape(-1), minlength=num_experts).to(scores_for_aux.dtype)
+    slots_per_expert = count_per_expert(expert_ids, num_experts).to(scores_for_aux.dtype)
     fraction = slots_per_expert / expert_ids.numel()  # f_i: sums to one
     mean_prob = scores_for_aux.mean(dim=0)  # P_i
     return coeff * num_experts * torch.sum(fraction * mean_prob)
