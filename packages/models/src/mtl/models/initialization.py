@@ -28,7 +28,7 @@ from mtl.core.model_protocol import INIT_KINDS, tag_init
 from mtl.models.param_layout import box, parameter_entries
 
 __all__ = ["INIT_KINDS", "initial_value", "initialize_parameters", "kind_from_name", "output_init_std",
-           "tag_init", "tag_residual_output"]
+           "tag_init", "tag_weights"]
 
 # The name rule for untagged parameters only (the projections that write into the residual stream).
 RESIDUAL_OUTPUT_MODULES = ("linear_proj", "linear_fc2")
@@ -46,12 +46,14 @@ def parameter_seed(seed: int, global_name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def tag_residual_output(module: nn.Module) -> None:
-    """Tag the weight(s) of a projection into the residual stream "residual_output" (its
-    biases keep the linear's "zeros"); called by the attention and MLP that own it."""
-    for name, param in module.named_parameters():
+def tag_weights(linear: nn.Module, kind: str) -> None:
+    """Tag the weight(s) of a backend's linear with ``kind`` (its biases carry the linear's own
+    "zeros"; state with ``requires_grad = False`` is not initialised). The linear cannot know
+    its role, so the module using it calls this: "residual_output" for ``linear_proj`` and
+    ``linear_fc2``, "normal" for the others."""
+    for name, param in linear.named_parameters():
         if name.rpartition(".")[2] == "weight" and param.requires_grad:
-            tag_init(param, "residual_output")
+            tag_init(param, kind)
 
 
 def kind_from_name(global_name: str) -> str:

@@ -21,7 +21,7 @@ from mtl.core.spec import build_module
 from mtl.models.gpt.inference_context import InferenceContext
 from mtl.models.gpt.recompute import checkpointed
 from mtl.models.gpt.rope import apply_rotary
-from mtl.models.initialization import tag_residual_output
+from mtl.models.initialization import tag_weights
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,7 @@ class SelfAttention(nn.Module):
             sequence_parallel=sequence_parallel,
             **({"norm": input_norm} if input_norm is not None else {}),
         )
+        tag_weights(self.linear_qkv, "normal")
         # QK-norm weights are shared by all heads, but each TP rank normalises only its own
         # heads: like a norm under sequence parallelism, their gradients are summed over TP.
         qk_norm_kwargs = {"topology": topology, "sequence_parallel": True} if tp > 1 else {}
@@ -98,7 +99,7 @@ class SelfAttention(nn.Module):
             input_is_parallel=True,
             sequence_parallel=sequence_parallel,
         )
-        tag_residual_output(self.linear_proj)  # writes into the residual stream: the scaled init
+        tag_weights(self.linear_proj, "residual_output")  # writes into the residual stream: the scaled init
 
     def forward(
         self,

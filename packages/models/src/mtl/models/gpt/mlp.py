@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtl.core.spec import build_module
-from mtl.models.initialization import tag_residual_output
+from mtl.models.initialization import tag_weights
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ class MLP(nn.Module):
             stride=2 if self.gated else 1,
             **({"norm": norm} if norm is not None else {}),
         )
+        tag_weights(self.linear_fc1, "normal")
         if self.gated:
             for param in self.linear_fc1.parameters():
                 if hasattr(param, "tp_split_dim"):  # not a backend's replicated state (FP8 amax history)
@@ -71,7 +72,7 @@ class MLP(nn.Module):
             input_is_parallel=True,
             sequence_parallel=sequence_parallel,
         )
-        tag_residual_output(self.linear_fc2)  # writes into the residual stream: the scaled init
+        tag_weights(self.linear_fc2, "residual_output")  # writes into the residual stream: the scaled init
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[s(/tp), b, h] -> [s(/tp), b, h] (the sequence split is SP's, undone and redone by the linears)."""

@@ -29,7 +29,7 @@ from mtl.models.gpt.layer_spec import norm_spec
 from mtl.models.gpt.rope import RotaryEmbedding
 from mtl.models.gpt.transformer_block import TransformerBlock
 from mtl.models.gpt.transformer_layer import sequence_parallel_norm_kwargs
-from mtl.models.initialization import initialize_parameters
+from mtl.models.initialization import initialize_parameters, tag_weights
 from mtl.models.param_layout import mark_vocab_rows
 from mtl.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from mtl.parallel.tensor_parallel.linear_cross_entropy import output_layer_cross_entropy, supports_fused_cross_entropy
@@ -93,6 +93,7 @@ class GPTModel(nn.Module):
                 gather_output=False,
                 sequence_parallel=self.sequence_parallel,
             )
+            tag_weights(self.output_layer, "normal")
         if m.tie_embeddings:
             self._tie_embeddings()
         # Rows past the true vocabulary pad the tables to a multiple of 128·tp: invisible to

@@ -9,8 +9,10 @@ an all-gather before the column layer and a reduce-scatter after the row layer.
 Every split parameter carries ``tp_split_dim`` (0 or 1) and ``tp_partition_stride``.
 Replicated parameters (a row layer's bias) carry neither; their gradients are complete on
 every TP rank after backward (under sequence parallelism they are summed over TP here).
-Weights are tagged ``init_kind = "normal"`` and biases "zeros" (``mtl.core.model_protocol``);
-the module that uses a linear as a projection into the residual stream re-tags its weight.
+Biases are tagged ``init_kind = "zeros"`` (``mtl.core.model_protocol``). A weight's kind
+depends on its role ("normal", or "residual_output" for a projection into the residual
+stream), which only the module using the linear knows: that module tags it. A weight nobody
+tagged (a third party's block built from these linears) gets initialisation's name rule.
 """
 
 from __future__ import annotations
@@ -65,7 +67,6 @@ class ColumnParallelLinear(nn.Module):
             torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype, device=device)
         )
         mark_tp_split(self.weight, 0, stride)
-        tag_init(self.weight, "normal")
         if bias:
             self.bias = nn.Parameter(torch.empty(self.output_size_per_partition, dtype=params_dtype, device=device))
             mark_tp_split(self.bias, 0, stride)
@@ -144,7 +145,6 @@ class RowParallelLinear(nn.Module):
             torch.empty(output_size, self.input_size_per_partition, dtype=params_dtype, device=device)
         )
         mark_tp_split(self.weight, 1)
-        tag_init(self.weight, "normal")
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=params_dtype, device=device))
             tag_init(self.bias, "zeros")
