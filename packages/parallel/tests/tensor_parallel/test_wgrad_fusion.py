@@ -24,7 +24,6 @@ class Pair(nn.Module):
         self.fc1 = ColumnParallelLinear(16, 32, bias=True)
         self.fc2 = RowParallelLinear(32, 16, bias=False)
         self.head = ColumnParallelLinear(16, 8, bias=False)
-        self.head.weight.vocab_rows = 8  # a vocabulary table: never fused (it may be tied)
 
     def forward(self, x):
         return self.head(self.fc2(torch.tanh(self.fc1(x))))
@@ -51,7 +50,7 @@ def fp32_reference(module: Pair) -> dict[str, torch.Tensor]:
 def accumulate(fused: bool, compiled: bool) -> tuple[Pair, DataParallel]:
     module = Pair().to(torch.bfloat16)
     if fused:
-        assert enable_wgrad_fusion(module) == 2  # fc1 and fc2; not the vocabulary table
+        assert enable_wgrad_fusion(module) == 3  # every linear's weight; biases keep the hook
     model = DataParallel(module, Topology.single(), grad_dtype=torch.float32, bucket_size_mb=1e-4,
                          overlap_grad_reduce=True)
     forward = torch.compile(model.module) if compiled else model.module
@@ -76,13 +75,13 @@ def test_fused_main_grad_is_the_fp32_sum_and_finer_than_unfused():
     assert all(p.grad is None for p in module.parameters())
     fused = errors_against_reference(module)
     unfused = errors_against_reference(accumulate(fused=False, compiled=False)[0])
-    for name in ("fc1.weight", "fc2.weight"):
+    for name in ("fc1.weight", "fc2.weight", "head.weight"):
         # the same sum in fp32 (the activations themselves are bf16 in both runs)
         assert fused[name] < 2e-2, fused
     assert fused["fc1.weight"] < unfused["fc1.weight"] or fused["fc2.weight"] < unfused["fc2.weight"], (fused, unfused)
     # unfused parameters keep the hook's path: bit-identical to the unfused run
     plain, _ = accumulate(fused=False, compiled=False)
-    for name in ("fc1.bias", "head.weight"):
+    for name in ("fc1.bias",):
         assert torch.equal(dict(module.named_parameters())[name].main_grad, dict(plain.named_parameters())[name].main_grad)
 
 
@@ -112,3 +111,40 @@ def test_a_backend_that_overrides_local_linear_is_not_fused(cls):
             return torch.nn.functional.linear(x, weight, bias)
 
     assert enable_wgrad_fusion(Custom(8, 8)) == 0
+
+
+def test_a_weight_tied_to_an_embedding_is_not_fused():
+    module = Pair()
+    module.embed = nn.Embedding(8, 16)
+    module.head.weight = module.embed.weight  # the output layer tied to the word embedding
+    assert enable_wgrad_fusion(module) == 2
+    assert not getattr(module.head.weight, "wgrad_fused", False)
+    stage_copy = Pair()
+    stage_copy.head.weight.shared_embedding = True  # a last stage's copy, summed with the first's
+    assert enable_wgrad_fusion(stage_copy) == 2
+
+
+def test_fused_loss_accumulates_the_output_layer_into_main_grad():
+    """The chunked LM head + loss (linear_cross_entropy) puts each token chunk's weight
+    gradient into main_grad: equal to the fp32 sum over micro-batches and chunks."""
+    from mtl.parallel.tensor_parallel.linear_cross_entropy import output_layer_cross_entropy
+
+    torch.manual_seed(0)
+    head = ColumnParallelLinear(16, 40, bias=False).to(torch.bfloat16)
+    ref = ColumnParallelLinear(16, 40, bias=False)
+    ref.weight.data.copy_(head.weight.float())
+    assert enable_wgrad_fusion(head) == 1
+    model = DataParallel(head, Topology.single(), grad_dtype=torch.float32)
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(12, 2, 16, generator=g).to(torch.bfloat16), torch.randint(0, 37, (12, 2), generator=g))
+               for _ in range(2)]
+    model.zero_grad()
+    with model.no_sync():
+        output_layer_cross_entropy(head, *batches[0], vocab_size=37, chunk_bytes=256).sum().backward()
+    output_layer_cross_entropy(head, *batches[1], vocab_size=37, chunk_bytes=256).sum().backward()
+    model.finish_grad_sync()
+    for hidden, target in batches:
+        output_layer_cross_entropy(ref, hidden.float(), target, vocab_size=37).sum().backward()
+    assert head.weight.grad is None
+    torch.testing.assert_close(head.weight.main_grad, ref.weight.grad, rtol=0, atol=2e-2 * ref.weight.grad.abs().max())
+    assert head.weight.main_grad[37:].abs().sum() == 0  # padding rows never get a gradient

@@ -61,6 +61,7 @@ from mtl.core.log import get_logger
 from mtl.parallel.tensor_parallel import collectives as C
 from mtl.parallel.tensor_parallel import mappings
 from mtl.parallel.tensor_parallel.layers import ColumnParallelLinear
+from mtl.parallel.tensor_parallel.wgrad_fusion import accumulate_weight_grad, fused_main_grad
 
 log = get_logger(__name__)
 
@@ -173,7 +174,7 @@ def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, target, group, vocab_start, num_real, rows, compiled, save_logits):
+    def forward(ctx, x, weight, target, group, vocab_start, num_real, rows, compiled, save_logits, main_grad):
         # x [N, h] (the full sequence on every TP rank), weight [V/tp, h], target [N] int64.
         # save_logits: keep the logits for backward (True), recompute them there (False), or
         # decide here by the compute dtype and size (None, see the module docstring).
@@ -210,6 +211,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             loss = lse - sums[1]
         ctx.save_for_backward(x_c, w_c, lse, target_local, owned, saved)
         ctx.meta = (num_real, rows, compiled, cdtype, x.dtype, weight.dtype)
+        ctx.main_grad = main_grad  # wgrad_fusion: each chunk's weight gradient goes straight into it
         return loss
 
     @staticmethod
@@ -237,18 +239,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
                             torch.mm(d, w_c, out=grad_x[start:end])
                         else:
                             grad_x[start:end] = torch.mm(d, w_c)
-                    if need_w:
+                    if need_w and ctx.main_grad is not None:
+                        accumulate_weight_grad(ctx.main_grad, d, xs)
+                    elif need_w:
                         if grad_w is None:
                             grad_w = torch.mm(d.t(), xs).float()
                         elif cdtype == torch.float32:
                             grad_w.addmm_(d.t(), xs)
                         else:
                             grad_w += torch.mm(d.t(), xs)
-        if need_w:
+        if need_w and ctx.main_grad is not None:
+            grad_w = torch.empty_like(w_c, dtype=w_dtype)  # the DataParallel hook drops it (wgrad_fusion)
+        elif need_w:
             if grad_w is None:  # this rank holds only padding: its rows get no gradient
                 grad_w = torch.zeros(w_c.shape, dtype=torch.float32, device=w_c.device)
             grad_w = grad_w.to(w_dtype)
-        return grad_x, grad_w, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -289,7 +295,7 @@ def linear_cross_entropy(
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         save_logits = False  # no backward will read them
     loss = _LinearCrossEntropy.apply(x, weight, target.reshape(-1), group, vocab_start, num_real, rows, compile,
-                                     save_logits)
+                                     save_logits, fused_main_grad(weight))
     return loss.view(target.shape)
 
 

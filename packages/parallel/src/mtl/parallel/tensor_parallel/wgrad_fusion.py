@@ -11,9 +11,10 @@ fp32 accumulator and output (cuBLAS's beta = 1), so the bf16 gradient never exis
 Autograd still needs a gradient for the weight, or the DataParallel post-accumulate hook
 (which marks buckets ready and launches their reduction) would never fire: the backward
 returns an uninitialised tensor, and the hook, seeing ``param.wgrad_fused``, drops it instead
-of adding it. That is only sound for a weight used by nothing but this GEMM, so fusion is
-switched on per weight by ``enable_wgrad_fusion`` (transformer-layer linears; vocabulary
-tables are never fused because the output layer may be tied to the embedding).
+of adding it. That is only sound for a weight whose every use accumulates this way, so fusion
+is switched on per weight by ``enable_wgrad_fusion``: linears and an untied output layer (its
+fused loss, ``linear_cross_entropy``, accumulates each token chunk the same way), never a
+weight tied to the word embedding.
 
 The accumulation is a ``torch.library`` custom op that mutates ``main_grad``, so
 ``torch.compile`` traces the linear (no graph break) and keeps the GEMM as it is.
@@ -31,7 +32,7 @@ def accumulate_weight_grad(main_grad: torch.Tensor, grad_output: torch.Tensor, i
     """``main_grad [out, in] += grad_outputᵀ [out, T] @ inputs [T, in]`` with fp32 accumulation."""
     dy = grad_output.reshape(-1, grad_output.shape[-1])
     x = inputs.reshape(-1, inputs.shape[-1])
-    if main_grad.is_cuda:
+    if main_grad.is_cuda and dy.dtype != main_grad.dtype:
         # one cuBLAS GEMM: bf16 operands, fp32 accumulator, C = D = main_grad with beta = 1
         torch.addmm(main_grad, dy.t(), x, out_dtype=main_grad.dtype, out=main_grad)
     else:  # CPU has no mixed-dtype GEMM; the same sum, computed in fp32
@@ -61,30 +62,47 @@ class _LinearAccumulatingMainGrad(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None
 
 
+def fused_main_grad(weight: torch.Tensor) -> torch.Tensor | None:
+    """The buffer a GEMM must accumulate ``weight``'s gradient into, or None: the weight's
+    ``main_grad`` where ``enable_wgrad_fusion`` switched it on and a gradient buffer gave it one."""
+    if not getattr(weight, "wgrad_fused", False) or not torch.is_grad_enabled():
+        return None
+    return getattr(weight, "main_grad", None)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear``, with the weight gradient fused into ``weight.main_grad`` where
-    ``enable_wgrad_fusion`` switched it on and a gradient buffer gave the weight a ``main_grad``."""
-    main_grad = getattr(weight, "main_grad", None)
-    if main_grad is None or not getattr(weight, "wgrad_fused", False) or not torch.is_grad_enabled():
+    """``F.linear``, with the weight gradient accumulated into ``fused_main_grad(weight)``."""
+    main_grad = fused_main_grad(weight)
+    if main_grad is None:
         return F.linear(x, weight, bias)
     return _LinearAccumulatingMainGrad.apply(x, weight, bias, main_grad)
 
 
 def enable_wgrad_fusion(module: nn.Module) -> int:
-    """Fuse the weight-gradient accumulation of every local tensor-parallel linear in
-    ``module`` whose GEMM is ``F.linear`` (a backend overriding ``local_linear``, e.g. FP8,
-    keeps its own backward). Vocabulary tables are skipped: a tied output layer shares its
-    weight with the embedding, whose gradient does not come from this GEMM. Returns how many
-    weights were switched on. Takes effect only where the weight also has a ``main_grad``."""
+    """Fuse the weight-gradient accumulation of every weight in ``module`` whose only holders
+    are local tensor-parallel linears with ``F.linear`` as their GEMM (a backend overriding
+    ``local_linear``, e.g. FP8, keeps its own backward). A weight tied to anything else (the
+    output layer sharing the word embedding) or to another pipeline stage's copy
+    (``shared_embedding``) keeps the hook's path. Returns how many weights were switched on;
+    it takes effect only where the weight also has a ``main_grad``."""
     from mtl.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    count = 0
+    def fusable(holder: nn.Module, name: str) -> bool:
+        return name == "weight" and any(
+            isinstance(holder, cls) and type(holder).local_linear is cls.local_linear
+            for cls in (ColumnParallelLinear, RowParallelLinear)
+        )
+
+    holders: dict[int, list[bool]] = {}
+    params: dict[int, nn.Parameter] = {}
     for sub in module.modules():
-        for cls in (ColumnParallelLinear, RowParallelLinear):
-            if isinstance(sub, cls) and type(sub).local_linear is cls.local_linear:
-                weight = sub.weight
-                if hasattr(weight, "vocab_rows") or getattr(weight, "shared_embedding", False):
-                    continue
-                weight.wgrad_fused = True
-                count += 1
+        for name, param in sub.named_parameters(recurse=False):
+            holders.setdefault(id(param), []).append(fusable(sub, name))
+            params[id(param)] = param
+    count = 0
+    for key, fusable_holders in holders.items():
+        param = params[key]
+        if all(fusable_holders) and not getattr(param, "shared_embedding", False):
+            param.wgrad_fused = True
+            count += 1
     return count
