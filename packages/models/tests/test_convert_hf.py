@@ -1,5 +1,6 @@
-"""HF GPT-2, Llama (plain, tied, biased, Llama 3 RoPE scaling), Mistral and Qwen2 checkpoints:
-converted logits and greedy generation against transformers, and the round trip."""
+"""HF GPT-2, Llama (plain, tied, biased, Llama 3 RoPE scaling), Mistral and Qwen2 checkpoints,
+and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE: converted logits and greedy
+generation against transformers, and the round trip."""
 
 import json
 
@@ -27,6 +28,18 @@ LLAMA_FIELDS = {
 }
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64, "rope_theta": 500.0}
+MOE_FIELDS = {**LLAMA_FIELDS, "num_hidden_layers": 3, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02}
+QWEN_MOE_FIELDS = {**MOE_FIELDS, "num_experts": 4, "moe_intermediate_size": 16, "use_sliding_window": False}
+MOE_FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {**MOE_FIELDS, "num_local_experts": 4, "sliding_window": None}),
+    # layer 1 sparse (decoder_sparse_step 2), layers 0 and 2 dense; top-k weights not renormalised
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        **QWEN_MOE_FIELDS, "shared_expert_intermediate_size": 24, "decoder_sparse_step": 2, "norm_topk_prob": False}),
+    # every layer sparse but layer 2 (mlp_only_layers); top-k renormalised; QK-norm
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        **QWEN_MOE_FIELDS, "head_dim": 16, "mlp_only_layers": [2], "norm_topk_prob": True}),
+}
+MOE_LAYERS = {"mixtral": [0, 1, 2], "qwen2_moe": [1], "qwen3_moe": [0, 1]}
 # name -> (transformers config class, model class, config fields)
 FAMILIES = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", {
@@ -44,6 +57,7 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {**LLAMA_FIELDS, "use_sliding_window": False}),
     "qwen2_tied": ("Qwen2Config", "Qwen2ForCausalLM", {
         **LLAMA_FIELDS, "use_sliding_window": False, "tie_word_embeddings": True}),
+    **MOE_FAMILIES,
 }
 
 
@@ -59,11 +73,13 @@ def save_hf(path, family: str, max_shard_size=None, **overrides):
 
 
 def _randomize_norms(model):
-    """HF initialises norms to exactly one and biases to zero; perturb them so a swapped or
-    dropped tensor changes the output."""
+    """HF initialises norms to exactly one, biases to zero and MoE routers (Qwen) to zero;
+    perturb them so a swapped or dropped tensor changes the output and routing is decisive."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name or "ln_" in name or name.endswith("bias"):
+            if name.endswith("gate.weight") and "proj" not in name:  # routers and Qwen2-MoE's shared-expert gate
+                param.normal_(0.0, 0.5)
+            elif "norm" in name or "ln_" in name or name.endswith("bias"):
                 param.add_(0.1 * torch.randn_like(param))
 
 
@@ -95,7 +111,8 @@ def test_converted_logits_and_greedy_generation_match_hf(tmp_path, backend, sing
     assert generate(model, prompt, max_new_tokens=10, temperature=0) == hf_tokens
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "llama_tied", "llama3_rope", "mistral", "qwen2", "qwen2_tied"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "llama_tied", "llama3_rope", "mistral", "qwen2", "qwen2_tied",
+                                    *MOE_FAMILIES])
 def test_round_trip_is_bit_exact(tmp_path, backend, single, family):
     """HF -> mtl -> (a model, gathered back) -> HF gives every tensor back unchanged, the same
     architecture, and a config transformers reads to the same logits."""
@@ -197,3 +214,41 @@ def test_a_tensor_without_a_place_is_refused(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="self_attn.extra.weight"):
         HFConverter().to_mtl(tmp_path)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_config_keys(tmp_path, family):
+    """Which layers are sparse, the expert width, and HF's aux-loss coefficient (its loss is top_k
+    times ours); back in config.json as they came, and the architecture follows from the model."""
+    save_hf(tmp_path / "hf", family)
+    section, state = HFConverter().to_mtl(tmp_path / "hf")
+    m = config_from_dict({"model": section}).resolve(1).model
+    assert m.moe_layers == MOE_LAYERS[family] and m.num_experts == 4 and m.moe_top_k == 2
+    assert m.moe_aux_loss_coeff == pytest.approx(2 * 0.02)
+    assert state["layers.1.mlp.experts.linear_fc1.weight"].shape == (4, 2, m.moe_ffn_hidden_size, 32)
+    HFConverter().from_mtl(m, state, tmp_path / "back")
+    written = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert written["model_type"] == family and written["router_aux_loss_coef"] == pytest.approx(0.02)
+
+
+def test_moe_exports_that_do_not_fit_are_refused(tmp_path):
+    save_hf(tmp_path / "qwen2_moe", "qwen2_moe")
+    section, state = HFConverter().to_mtl(tmp_path / "qwen2_moe")
+    m = config_from_dict({"model": section}).resolve(1).model
+    with pytest.raises(ConfigError, match="q/k/v biases alone export as Qwen2"):
+        HFConverter().from_mtl(m, state, tmp_path / "x", architecture="mixtral")
+    with pytest.raises(ConfigError, match="Qwen3MoeForCausalLM export needs model.qk_norm = true"):
+        HFConverter().from_mtl(m, state, tmp_path / "x", architecture="qwen3_moe")
+    dense = {**section, "num_experts": 0, "moe_layers": None, "moe_shared_expert_ffn_hidden_size": 0,
+             "moe_shared_expert_gate": False}
+    with pytest.raises(ConfigError, match="needs model.num_experts > 0"):
+        HFConverter().from_mtl(config_from_dict({"model": dense}).resolve(1).model, {}, tmp_path / "x",
+                               architecture="qwen2_moe")
+    save_hf(tmp_path / "qwen3_moe", "qwen3_moe")
+    section, state = HFConverter().to_mtl(tmp_path / "qwen3_moe")
+    no_qk_norm = config_from_dict({"model": {**section, "qk_norm": False}}).resolve(1).model
+    with pytest.raises(ConfigError, match=r"every layer is MoE in Mixtral \(model.moe_layers = \[0, 1\]\)"):
+        HFConverter().from_mtl(no_qk_norm, state, tmp_path / "x", architecture="mixtral")
+    save_hf(tmp_path / "window", "mixtral", sliding_window=16)
+    with pytest.raises(ConfigError, match="sliding_window = 16"):
+        HFConverter().to_mtl(tmp_path / "window")
