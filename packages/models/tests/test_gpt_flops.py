@@ -41,3 +41,30 @@ def test_the_gpt_family_record_carries_its_formulas():
     cfg = reference_llama()
     assert family.flops_per_iteration(cfg) == flops.flops_per_iteration(cfg)
     assert family.activation_bytes_per_layer(cfg) == flops.activation_bytes_per_layer(cfg)
+
+
+def test_moe_counts_the_active_parameters_of_the_built_model():
+    """An MoE model's GEMM FLOPs = 6 x tokens x its active matmul weights (router, top-k of the
+    experts, shared expert, attention, LM head; not the embedding), plus the attention scores,
+    counted here from the model built on the meta device, not from the formula's terms."""
+    import torch
+
+    from mtl.models.gpt import build_gpt
+    from mtl.parallel.backend_plugin import LOCAL_BACKEND
+    from mtl.parallel.topology import Topology
+
+    cfg = reference_llama("model.num_layers=4", "model.num_experts=8", "model.moe_top_k=2",
+                          "model.moe_shared_expert_ffn_hidden_size=1024", "model.moe_layer_freq=2")
+    m = cfg.model
+    with torch.device("meta"):
+        model = build_gpt(cfg, Topology.single(), LOCAL_BACKEND)
+    active = 0.0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or name.startswith("embedding"):
+            continue  # norms and biases are not GEMMs; an embedding is a lookup
+        share = m.moe_top_k / m.num_experts if getattr(p, "expert_split_dim", None) is not None else 1.0
+        active += p.numel() * share
+    tokens = 32 * m.seq_length
+    scores = 2 * m.num_attention_heads * m.head_dim * m.seq_length * m.num_layers  # causal-halved QK^T and PV
+    assert abs(flops.flops_per_iteration(cfg) - 3 * tokens * (2 * active + scores)) / flops.flops_per_iteration(cfg) < 1e-12
+    assert len(m.moe_layers) == 2  # moe_layer_freq = 2: half the layers are MoE

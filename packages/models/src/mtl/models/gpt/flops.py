@@ -14,7 +14,8 @@ def flops_per_iteration(cfg: RunConfig) -> float:
 
     Per layer and token: attention projections, attention scores, MLP; plus the LM head.
     The leading factor 3 counts forward (1) and backward (2); 2 FLOPs per multiply-add.
-    A parallel attention + MLP block (GPT-J) has the same GEMMs and counts the same."""
+    A parallel attention + MLP block (GPT-J) has the same GEMMs and counts the same; an MoE
+    layer counts its active parameters."""
     m, t = cfg.model, cfg.train
     assert cfg.resolved, "resolve the config first"
     h, s, L = m.hidden_size, m.seq_length, m.num_layers
@@ -22,14 +23,23 @@ def flops_per_iteration(cfg: RunConfig) -> float:
     q_width = m.num_attention_heads * m.head_dim
     kv_width = m.num_query_groups * m.head_dim
     gated = 2 if m.activation == "swiglu" else 1
-    per_token_layer = (
+    attention = (
         2 * h * (q_width + 2 * kv_width)  # QKV projection
         + 2 * q_width * s  # QK^T and attention-weighted V: 4*q*s, halved for the causal mask
         + 2 * q_width * h  # output projection
-        + 2 * h * m.ffn_hidden_size * (gated + 1)  # MLP in (gated: two) and out
     )
+    dense_mlp = 2 * h * m.ffn_hidden_size * (gated + 1)  # MLP in (gated: two) and out
+    moe_layers = len(m.moe_layers or [])
+    # An MoE layer counts the FLOPs of its active parameters (Megatron's convention): the
+    # router, the top-k experts each token goes to, and the shared expert.
+    moe_mlp = 0
+    if moe_layers:
+        moe_mlp = (2 * h * m.num_experts
+                   + m.moe_top_k * 2 * h * m.moe_ffn_hidden_size * (gated + 1)
+                   + 2 * h * m.moe_shared_expert_ffn_hidden_size * (gated + 1))
+    per_token = L * attention + (L - moe_layers) * dense_mlp + moe_layers * moe_mlp
     logits = 2 * h * m.padded_vocab_size
-    return 3.0 * tokens * (L * per_token_layer + logits)
+    return 3.0 * tokens * (per_token + logits)
 
 
 def activation_bytes_per_layer(cfg: RunConfig) -> float:
