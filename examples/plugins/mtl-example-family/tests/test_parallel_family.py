@@ -1,7 +1,7 @@
 """The proof that a third party can add a model family: this distribution, installed on its
 own, registers ``parallel_gpt`` through its entry point; the family reuses GPTModel with its
 own layer; ``--dry-run`` counts its parameters from the model it builds; and it trains at
-tp=2 and pp=2 to the losses and gradients of one process."""
+tp=2 and pp=2 to the losses and gradients of one process, and its checkpoints reshard."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from mtl.models.generate import generate
 from mtl.models.param_layout import parameter_entries
 from mtl.parallel.testing import run_distributed
 from mtl.parallel.topology import Topology
-from mtl.train.testing import TINY, compare_with_reference, run_layout, run_tiny
+from mtl.train.testing import LOSS_RTOL, TINY, compare_with_reference, run_layout, run_tiny
 from mtl_example_family.parallel_layer import ParallelTransformerLayer
 
 DIST = "mtl-example-family"
@@ -105,3 +105,20 @@ def test_trains_at_tp2_and_pp2_like_one_process(layout, reference):
     assert not any("pre_mlp_norm" in name for name in reference["grads"])  # this family's model
     diffs = compare_with_reference(layout, run_layout(layout, extra=FAMILY), reference)
     assert diffs["loss_rel_diff"] < 1e-5
+
+
+def last_stage_losses(world: int, overrides: list[str]) -> dict[int, float]:
+    results = run_distributed(run_tiny, world, args=([*FAMILY, "train.iters=4", *overrides], False))
+    return next(r["losses"] for r in results if r["last_stage"])
+
+
+def test_a_checkpoint_saved_at_tp2_resumes_at_pp2(tmp_path):
+    """The checkpoint layout needs nothing from the family beyond the parameters' attributes:
+    steps 1-2 at tp=2, saved, then steps 3-4 at pp=2 equal four steps in one process."""
+    straight = last_stage_losses(1, [])
+    ckpt = f"ckpt.save='{tmp_path / 'ckpt'}'"
+    first = last_stage_losses(2, ["parallel.tp=2", ckpt, "train.exit_interval=2"])
+    resumed = last_stage_losses(2, ["parallel.pp=2", ckpt])
+    assert sorted(first) == [1, 2] and sorted(resumed) == [3, 4]
+    for step, loss in {**first, **resumed}.items():
+        assert abs(loss - straight[step]) / abs(straight[step]) < LOSS_RTOL, (step, loss, straight[step])
