@@ -87,3 +87,10 @@ def test_the_tag_decides_not_the_name(make_config, backend, single):
     assert torch.equal(untagged.data, torch.zeros(5))
     with pytest.raises(PluginError, match="init_kind = 'uniform'"):
         tag_init(nn.Parameter(torch.empty(1)), "uniform")
+
+
+def test_an_unknown_kind_set_by_hand_is_named_with_its_parameter(make_config, backend, single):
+    model = build_gpt(make_config("llama"), single, backend)
+    model.layers["1"].mlp.linear_fc1.weight.init_kind = "uniform"  # bypassing tag_init's check
+    with pytest.raises(PluginError, match=r"parameter layers\.1\.mlp\.linear_fc1\.weight: init_kind = 'uniform'"):
+        initialize_parameters(model, 1, single)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from mtl.core.config import RunConfig
-from mtl.core.errors import ConfigError
+from mtl.core.errors import PluginError
 from mtl.core.model_protocol import INIT_KINDS, tag_init
 from mtl.models.param_layout import box, parameter_entries
 
@@ -76,7 +76,7 @@ def initial_value(global_name: str, global_shape: tuple[int, ...], seed: int, co
     if kind == "ones":
         return torch.ones(global_shape)
     if kind not in INIT_KINDS:
-        raise ConfigError(f"parameter {global_name}: init_kind = {kind!r} is not one of {INIT_KINDS}")
+        raise PluginError(f"parameter {global_name}: init_kind = {kind!r} is not one of {INIT_KINDS} (set by the module that made it)")
     std = output_init_std(config) if kind == "residual_output" else config.model.init_std
     generator = torch.Generator().manual_seed(parameter_seed(seed, global_name))
     return torch.empty(global_shape).normal_(0.0, std, generator=generator)
