@@ -6,13 +6,17 @@ where an expert runs, never the sum.
 
 Under TP every TP rank holds the same tokens and routes them alike; each exchanges with the
 ranks of its own ep group (the same tp rank), so the experts' TP shards see the same rows.
+
+The exchange's split sizes are host integers (both NCCL and gloo need them), so each MoE
+layer synchronises with the device once per forward, and a compiled layer breaks its graph
+there (Megatron's all-to-all dispatcher synchronises likewise).
 """
 
 from __future__ import annotations
 
 import torch
 
-from mtl.models.moe.dispatch import Experts, combine_slots, sort_slots
+from mtl.models.moe.dispatch import Experts, combine_slots, count_per_expert, sort_slots
 from mtl.parallel.expert_parallel import TokenExchange
 
 
@@ -25,7 +29,7 @@ class AllToAllDispatcher:
                  keep: torch.Tensor | None, experts: Experts) -> torch.Tensor:
         top_k = expert_ids.shape[1]
         slots, sorted_ids = sort_slots(expert_ids, keep)  # by global expert, so by ep rank
-        exchange = TokenExchange(torch.bincount(sorted_ids, minlength=self.num_experts), self.group)
+        exchange = TokenExchange(count_per_expert(sorted_ids, self.num_experts), self.group)
         local = exchange.dispatch(hidden[slots // top_k])  # [M, h] for this rank's experts
         outputs = exchange.combine(experts(local, exchange.tokens_per_local_expert))  # [N, h]
         return combine_slots(outputs, slots, probs, hidden.dtype)
