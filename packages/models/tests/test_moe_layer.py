@@ -162,3 +162,15 @@ def test_full_recompute_gives_the_same_gradients_and_counts_each_forward_once(ma
         assert [layer.mlp.stats.forwards for layer in model.layers.values()] == [1, 1]
     for name, grad in grads["none"].items():
         torch.testing.assert_close(grads["full"][name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_the_grouped_mm_probe_does_not_depend_on_grad_mode():
+    """First asked from generation (no_grad / inference mode), the answer must be the same."""
+    from mtl.models.moe import experts as experts_module
+
+    answers = []
+    for mode in (torch.no_grad, torch.inference_mode, torch.enable_grad):
+        experts_module._GROUPED_MM_WORKS.clear()
+        with mode():
+            answers.append(_grouped_mm_works("cpu", torch.float32))
+    assert answers == [answers[-1]] * 3

@@ -68,15 +68,20 @@ def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
 def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
-    try:
+    try:  # with gradients on even when first asked from inference (generation, evaluation)
         device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else device_type
-        a = torch.ones(4, 16, dtype=dtype, device=device, requires_grad=True)
-        b = torch.ones(2, 16, 16, dtype=dtype, device=device, requires_grad=True)
-        out = torch._grouped_mm(a, b, offs=torch.tensor([1, 4], dtype=torch.int32, device=device))
-        torch.autograd.grad(out, (a, b), torch.ones_like(out))  # a dense gradient, as the layer's
-        return bool(out.shape == (4, 16))
+        with torch.inference_mode(False), torch.enable_grad():
+            return _run_grouped_mm(device, dtype)
     except (RuntimeError, NotImplementedError):
         return False
+
+
+def _run_grouped_mm(device, dtype: torch.dtype) -> bool:
+    a = torch.ones(4, 16, dtype=dtype, device=device, requires_grad=True)
+    b = torch.ones(2, 16, 16, dtype=dtype, device=device, requires_grad=True)
+    out = torch._grouped_mm(a, b, offs=torch.tensor([1, 4], dtype=torch.int32, device=device))
+    torch.autograd.grad(out, (a, b), torch.ones_like(out))  # a dense gradient, as the layer's
+    return bool(out.shape == (4, 16))
 
 
 class GroupedExperts(nn.Module):
