@@ -79,7 +79,8 @@ def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
 def _run_grouped_mm(device, dtype: torch.dtype) -> bool:
     a = torch.ones(4, 16, dtype=dtype, device=device, requires_grad=True)
     b = torch.ones(2, 16, 16, dtype=dtype, device=device, requires_grad=True)
-    out = torch._grouped_mm(a, b, offs=torch.tensor([1, 4], dtype=torch.int32, device=device))
+    # b transposed in its last two dims, as the layer passes its weights
+    out = torch._grouped_mm(a, b.transpose(1, 2), offs=torch.tensor([1, 4], dtype=torch.int32, device=device))
     torch.autograd.grad(out, (a, b), torch.ones_like(out))  # a dense gradient, as the layer's
     return bool(out.shape == (4, 16))
 
