@@ -8,8 +8,10 @@ Under TP every TP rank holds the same tokens and routes them alike; each exchang
 ranks of its own ep group (the same tp rank), so the experts' TP shards see the same rows.
 
 The exchange's split sizes are host integers (both NCCL and gloo need them), so each MoE
-layer synchronises with the device once per forward, and a compiled layer breaks its graph
-there (Megatron's all-to-all dispatcher synchronises likewise).
+layer synchronises with the device once per forward (as Megatron's all-to-all dispatcher
+does). The row counts change every step, so under ``train.compile`` the dispatcher and the
+experts it calls run eagerly (``torch.compiler.disable``) rather than recompiling for each
+new count; the rest of the layer stays compiled.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class AllToAllDispatcher:
         self.num_experts = num_experts
         self.group = topology.group("ep")
 
+    @torch.compiler.disable
     def __call__(self, hidden: torch.Tensor, probs: torch.Tensor, expert_ids: torch.Tensor,
                  keep: torch.Tensor | None, experts: Experts) -> torch.Tensor:
         top_k = expert_ids.shape[1]
