@@ -66,7 +66,7 @@ install() {
   cudnn=$("$PY" -c "import nvidia.cudnn as c; print(list(c.__path__)[0])")
   printf 'export CUDNN_PATH=%s\nexport LD_LIBRARY_PATH=%s/lib:${LD_LIBRARY_PATH:-}\n' "$cudnn" "$cudnn" > "$STAGE/env.sh"
   . "$STAGE/env.sh"
-  "$PY" -c "import torch; torch.backends.cudnn.version(); import transformer_engine.pytorch as te; print('transformer_engine', te.__version__, 'torch', torch.__version__)"
+  "$PY" -c "import torch; torch.backends.cudnn.version(); import transformer_engine.pytorch; from importlib.metadata import version; print('transformer_engine', version('transformer_engine'), 'torch', torch.__version__)"
   echo "before using TE: . $STAGE/env.sh"
 }
 
