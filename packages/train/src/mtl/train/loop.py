@@ -15,6 +15,7 @@ from mtl.core.config import RunConfig
 from mtl.core.errors import ConfigError
 from mtl.core.log import get_logger
 from mtl.core.plugins import registry
+from mtl.models.moe import moe_step_metrics
 from mtl.train.batches import MicroBatches
 from mtl.ckpt import latest_iteration, prune_checkpoints
 from mtl.ckpt.directory import iteration_dir
@@ -213,10 +214,13 @@ def train(config: RunConfig, progress: bool = True) -> TrainResult:
                         log.warning("%s: step skipped (%d of at most train.skip_bad_steps = %d)", message,
                                     result.bad_steps, t.skip_bad_steps)
                 logged = iteration % cfg.logging.interval == 0 or iteration == t.iters
+                # routers' aux/z losses and dropped tokens since the last logged step (a
+                # collective, so every rank asks, only when logging)
+                experts = moe_step_metrics(run.chunks, run.topology) if cfg.model.num_experts and logged else {}
                 if writer:
                     metrics = {"loss": step.loss, "lr": lr, "grad_norm": step.grad_norm,
                                "skipped_steps": scaler.skipped_steps, "bad_steps": result.bad_steps,
-                               "loss_scale": scaler.scale, **throughput(cfg, elapsed)}
+                               "loss_scale": scaler.scale, **throughput(cfg, elapsed), **experts}
                     if logged:
                         for cb in callbacks:
                             cb.on_step(iteration, metrics)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from mtl.core.config import RunConfig
+from mtl.models.moe import set_aux_loss_scale
 from mtl.parallel.topology import Topology
 from mtl.parallel.ddp import accumulated_grad
 from mtl.train.precision import DTYPES, LossScaler, autocast
@@ -100,6 +101,8 @@ def train_step(config: RunConfig, topology: Topology, chunks: list, optimizer, b
 
     for chunk in chunks:
         chunk.zero_grad()
+        if config.model.num_experts:  # the router's losses get the LM loss's scaling in backward
+            set_aux_loss_scale(chunk, scaler.scale / config.train.num_micro_batches)
     forward_step = _forward_step_factory(config, device, scaler.scale)
     loss_dicts = _run_schedule(config, topology, chunks, batches_per_chunk, forward_step, forward_only=False)
     for chunk in chunks:

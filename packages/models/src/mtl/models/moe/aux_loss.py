@@ -43,5 +43,6 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     """Set the backward scale of every MoE layer in ``model`` (e.g. ``loss_scale /
     num_micro_batches`` under fp16 loss scaling; the default is ``1 / num_micro_batches``)."""
     for module in model.modules():
-        if hasattr(module, "aux_loss_scale"):
+        # only on a change: a compiled layer guards on the value (a new one recompiles it)
+        if hasattr(module, "aux_loss_scale") and module.aux_loss_scale != scale:
             module.aux_loss_scale = scale
