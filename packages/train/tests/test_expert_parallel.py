@@ -23,17 +23,11 @@ from mtl.models.param_layout import ParamEntry
 from mtl.parallel.testing import run_distributed
 from mtl.parallel.topology import Topology
 from mtl.train.checkpointing import _replica_id
-from mtl.train.testing import LOSS_RTOL, assemble, compare_with_reference, run_tiny
+from mtl.train.testing import LOSS_RTOL, MOE_LAYOUTS, MOE_TINY, assemble, compare_with_reference, run_tiny
 
-# lr_decay_iters: every run follows the 6-step schedule, so a 3-step run is its first half.
-MOE = ["model.num_layers=2", "model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=16",
-       "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001", "model.bias=false",
-       "train.lr_decay_iters=6"]
+MOE = MOE_TINY
 NO_AUX = ["model.moe_aux_loss_coeff=0.0", "model.moe_z_loss_coeff=0.0"]
-FOUR_PROCESS_LAYOUTS = {
-    "ep2_tp2_sp": ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
-    "ep2_pp2": ["parallel.ep=2", "parallel.pp=2"],
-}
+FOUR_PROCESS_LAYOUTS = {name: overrides for name, (world, overrides) in MOE_LAYOUTS.items() if world == 4}
 GRAD_RTOL = 1e-5
 ROUTER = "layers.0.mlp.router.weight"
 

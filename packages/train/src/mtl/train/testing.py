@@ -37,6 +37,17 @@ LAYOUTS = {
     "dp2_pp2": (4, ["parallel.pp=2"]),
     "dp4_distopt": (4, ["parallel.distributed_optimizer=true"]),
 }
+# A 2-layer MoE (4 experts, top-2, dropless, aux and z-losses on) and its expert-parallel
+# layouts (packages/train/tests/test_expert_parallel.py; benchmarks/gpu/equivalence_nccl.py).
+# lr_decay_iters: every run follows the 6-step schedule, so a 3-step run is its first half.
+MOE_TINY = ["model.num_layers=2", "model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=16",
+            "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001", "model.bias=false",
+            "train.lr_decay_iters=6"]
+MOE_LAYOUTS = {
+    "ep2": (2, ["parallel.ep=2"]),
+    "ep2_tp2_sp": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "ep2_pp2": (4, ["parallel.ep=2", "parallel.pp=2"]),
+}
 # fp32: the layouts sum the same numbers in a different order, nothing more.
 LOSS_RTOL = 1e-5
 GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-4
