@@ -2,6 +2,7 @@
 
 import re
 
+import pytest
 import torch
 
 from mtl.core.config_io import load_config
@@ -108,3 +109,29 @@ def test_a_family_without_a_flop_count_still_dry_runs(mtl, ok, tiny_toml):
     assert "FLOPs per iteration: not counted (model family 'gpt_uncounted' gives no flops_per_iteration)" in out
     assert f"parameters: {TOTAL:,}" in out.splitlines()
     assert "activations" not in out.split("estimated memory per GPU:")[1]
+
+
+MOE_SETS = ("model.bias=false", "model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=16",
+            "model.moe_shared_expert_ffn_hidden_size=24", "model.moe_shared_expert_gate=true",
+            "model.moe_layer_freq=2")  # layer 0 MoE, layer 1 dense
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_dry_run_counts_an_moe_model_as_built(mtl, ok, tiny_toml, activation):
+    """``parameters:`` for an MoE model is ``sum(p.numel())`` of the model the gpt family
+    builds: router, the stacked ``[E, ...]`` experts, shared expert and its gate."""
+    sets = (*MOE_SETS, f"model.activation={activation}")
+    out = ok(mtl("train", tiny_toml, "--dry-run", *[arg for s in sets for arg in ("--set", s)]))
+    total = built_parameter_count(tiny_toml, sets)
+    assert f"parameters: {total:,}" in out.splitlines()
+    assert f"model (GPTModel): {total:,}" in out
+    # the MoE layer by hand: its MLP slot differs from the dense layer's by exactly this
+    gated = 2 if activation == "swiglu" else 1
+    cfg = load_config(tiny_toml, sets).resolve(world_size=1, tokenizer_vocab_size=257)
+    moe = (4 * H                               # router [E, h]
+           + 4 * (gated * 16 * H + H * 16)     # experts fc1 [E, (2,) ffn, h] and fc2 [E, h, ffn]
+           + gated * 24 * H + 24 * H           # shared expert (no biases)
+           + H)                                # its sigmoid gate [1, h]
+    dense = gated * cfg.model.ffn_hidden_size * H + cfg.model.ffn_hidden_size * H
+    assert re.search(rf"^\s+mlp \(MoELayer\): {moe:,}$", out, re.MULTILINE), out
+    assert re.search(rf"^\s+mlp \(MLP\): {dense:,}$", out, re.MULTILINE), out
