@@ -20,6 +20,32 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * SIZE_UNITS[match.group(2).upper()])
 
 
+def hf_architectures() -> list[str]:
+    """The Hugging Face ``model_type``s the installed families' ``hf`` converters export to
+    (each converter's ``architectures``), in registration order."""
+    from mtl.core.plugins import registry  # noqa: PLC0415 (plugins load only when help is shown)
+
+    families = registry("model family")
+    names: list[str] = []
+    for family in families.names():
+        converter = families.get(family).converters.get("hf")
+        names += [a for a in getattr(converter, "architectures", ()) if a not in names]
+    return names
+
+
+class _HFArchitectureOption(click.Option):
+    """``--hf-architecture``, whose help lists the architectures the installed converters
+    support, looked up only when the help is shown."""
+
+    def get_help_record(self, ctx):
+        try:
+            supported = ", ".join(hf_architectures()) or "none installed"
+        except Exception:  # noqa: BLE001 (a broken plugin must not break --help)
+            supported = "see `mtl plugins`"
+        self.help = f"--to hf: one of {supported} [default: the one converted from, else by the config]."
+        return super().get_help_record(ctx)
+
+
 @click.command()
 @click.option("--from", "src_format", required=True, metavar="NAME",
               help="mtl, or a converter of an installed model family (e.g. hf); see `mtl plugins`.")
@@ -32,8 +58,8 @@ def parse_size(text: str) -> int:
               help="--to mtl: the pipeline-parallel size recorded in its config.")
 @click.option("--vocab-size", default=None, type=click.IntRange(min=1),
               help="--to mtl: the true vocabulary, for sources that do not record it (e.g. megatron).")
-@click.option("--hf-architecture", default=None,
-              help="--to hf: gpt2, llama, mistral or qwen2 [default: the one converted from, else by the config].")
+@click.option("--hf-architecture", cls=_HFArchitectureOption, default=None,
+              help="--to hf: the Hugging Face model_type to write [default: the one converted from, else by the config].")
 @click.option("--max-shard-size", default="5GB", show_default=True,
               help="--to hf: largest safetensors file; more get an index.json.")
 @click.argument("src", type=click.Path())
