@@ -54,7 +54,7 @@ class _LinearAccumulatingMainGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
-        grad_input = grad_output @ weight
+        grad_input = grad_output @ weight if ctx.needs_input_grad[0] else None
         accumulate_weight_grad(ctx.main_grad, grad_output, x)
         # The hook that follows ignores this tensor (param.wgrad_fused); it only has to exist.
         grad_weight = torch.empty_like(weight)
