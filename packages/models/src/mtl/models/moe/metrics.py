@@ -7,7 +7,10 @@ data/context-parallel groups), which returns and clears:
 
 - ``moe_aux_loss``, ``moe_z_loss``: summed over the MoE layers, each layer's mean over the
   step's micro-batches, averaged over data/context-parallel ranks (with coefficients: what
-  the router adds to the loss);
+  the router adds to the loss). Under context parallelism this is the whole sequence's value,
+  as one process would report it: each cp rank's aux loss uses the slot fractions summed over
+  the cp group with its own tokens' mean probabilities, so the cp average is the global loss
+  (see ``router.py``), and the z-loss is a per-token mean;
 - ``moe_dropped_tokens``: slots dropped for capacity in the step, summed over layers,
   micro-batches and ranks; ``moe_dropped_fraction``: the same over the routed slots.
 

@@ -70,6 +70,7 @@ class MoELayer(nn.Module):
             hidden_size=hidden_size, num_experts=num_experts, top_k=top_k, score_function=router,
             norm_topk_prob=norm_topk_prob, aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
             capacity_factor=capacity_factor, init_std=init_std,
+            cp_group=topology.group("cp") if topology is not None else None,  # see router.py
         )
         self.experts = GroupedExperts(
             num_experts=num_experts, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,

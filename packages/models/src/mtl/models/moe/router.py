@@ -16,6 +16,15 @@ capacity drop, not differentiable) and ``P_i`` the mean over tokens of expert i'
 (softmax) or normalised score (sigmoid). Perfect balance gives ``coeff``. Router z-loss (ST-MoE):
 ``coeff * mean_t logsumexp(logits_t)^2``.
 
+Context parallelism (``parallel.cp > 1``): each cp rank routes only its chunks of every
+sequence, so ``f_i`` is taken from the slot counts summed over the cp group (an all-reduce of
+a detached ``[E]`` tensor, as Megatron does) over the global slot count ``T * cp * k``, while
+``P_i`` stays the mean over this rank's own tokens. Gradients are averaged over dp x cp, so
+the effective loss is ``(1/cp) * sum_r coeff * E * sum_i f_i * P_i^r`` = the one-process loss
+exactly (``P_i`` of the whole sequence is the mean of the ranks' ``P_i^r``, equal token counts).
+The z-loss is a per-token mean and averages correctly as it is. Under TP the tokens are
+gathered before routing, so TP ranks already agree and nothing is summed over TP.
+
 Capacity (``capacity_factor``): each expert takes at most ``ceil(T * k * factor / E)`` slots;
 past that the slots with the lowest scores are dropped (Megatron's "probs" policy; ranked by
 the score before top-k normalisation, which with k = 1 would make every weight one).
@@ -28,6 +37,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -46,12 +56,27 @@ class Routing:
     dropped: torch.Tensor  # [] int64: slots dropped for capacity
 
 
-def load_balancing_loss(scores_for_aux: torch.Tensor, expert_ids: torch.Tensor, coeff: float) -> torch.Tensor:
+@torch.compiler.disable
+def _sum_over_group(counts: torch.Tensor, group) -> torch.Tensor:
+    """``counts`` (detached, no gradient) summed over ``group``. Runs eagerly under
+    ``train.compile``: the compiled layer's graph ends before the all-reduce and resumes after."""
+    counts = counts.detach().clone()
+    dist.all_reduce(counts, group=group)
+    return counts
+
+
+def load_balancing_loss(scores_for_aux: torch.Tensor, expert_ids: torch.Tensor, coeff: float,
+                        group=None) -> torch.Tensor:
     """``coeff * E * sum_i f_i * P_i`` from ``scores_for_aux [T, E]`` (rows sum to one) and the
-    routed ``expert_ids [T, k]``."""
+    routed ``expert_ids [T, k]``. ``group`` (the cp group; None: one rank): ``f_i`` counts the
+    slots of every rank of the group (see the module docstring), ``P_i`` this rank's tokens."""
     num_tokens, num_experts = scores_for_aux.shape
     slots_per_expert = count_per_expert(expert_ids, num_experts).to(scores_for_aux.dtype)
-    fraction = slots_per_expert / expert_ids.numel()  # f_i: sums to one
+    total_slots = expert_ids.numel()
+    if group is not None:
+        slots_per_expert = _sum_over_group(slots_per_expert, group)
+        total_slots *= dist.get_world_size(group)
+    fraction = slots_per_expert / total_slots  # f_i: sums to one
     mean_prob = scores_for_aux.mean(dim=0)  # P_i
     return coeff * num_experts * torch.sum(fraction * mean_prob)
 
@@ -76,12 +101,15 @@ def capacity_keep(scores: torch.Tensor, expert_ids: torch.Tensor, num_experts: i
 
 
 class TopKRouter(nn.Module):
-    """``weight [E, h]`` (replicated over TP and EP): hidden ``[T, h]`` -> ``Routing``."""
+    """``weight [E, h]`` (replicated over TP and EP): hidden ``[T, h]`` -> ``Routing``.
+    ``cp_group``: the context-parallel group the load-balancing counts are summed over (None at
+    cp = 1: no collective)."""
 
     def __init__(self, *, hidden_size: int, num_experts: int, top_k: int, score_function: str,
                  norm_topk_prob: bool, aux_loss_coeff: float, z_loss_coeff: float,
-                 capacity_factor: float | None, init_std: float = 0.02):
+                 capacity_factor: float | None, init_std: float = 0.02, cp_group=None):
         super().__init__()
+        self.cp_group = cp_group
         self.num_experts, self.top_k = num_experts, top_k
         self.score_function, self.norm_topk_prob = score_function, norm_topk_prob
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
@@ -102,7 +130,8 @@ class TopKRouter(nn.Module):
         top_scores, expert_ids = torch.topk(scores, self.top_k, dim=-1)  # [T, k]
         probs = top_scores / top_scores.sum(dim=-1, keepdim=True) if self.norm_topk_prob else top_scores
         zero = logits.new_zeros(())
-        aux = load_balancing_loss(scores_for_aux, expert_ids, self.aux_loss_coeff) if self.aux_loss_coeff else zero
+        aux = (load_balancing_loss(scores_for_aux, expert_ids, self.aux_loss_coeff, self.cp_group)
+               if self.aux_loss_coeff else zero)
         zl = z_loss(logits, self.z_loss_coeff) if self.z_loss_coeff else zero
         keep, dropped = None, torch.zeros((), dtype=torch.int64, device=hidden.device)
         if self.capacity_factor:
