@@ -133,6 +133,9 @@ class GroupedExperts(nn.Module):
         intermediate = torch._grouped_mm(tokens.to(dtype), w1, offs=offsets)  # [N, fc1/tp]
         return torch._grouped_mm(self._activation(intermediate), w2, offs=offsets)  # [N, h]
 
+    # Eager under torch.compile: the split sizes are data (a host read), and a graph per new
+    # set of sizes would recompile on every step until dynamo's limit.
+    @torch.compiler.disable
     def _loop(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         outputs = []
         for expert, chunk in enumerate(tokens.split(tokens_per_expert.tolist())):
