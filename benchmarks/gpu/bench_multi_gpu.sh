@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Several GPUs of one host, bf16, the Llama-style reference model (llama_reference.toml):
-# one GPU, then every two-way layout (dp, tp+sp, pp, cp) or, on 4 GPUs, dp=4 and tp=2 x dp=2.
+# one GPU, then every two-way layout (dp, tp+sp, pp, cp) or, on 4 GPUs, dp=4 and tp=2 x dp=2;
+# then the MoE reference (moe_reference.toml) on one GPU and at ep=2.
 # Run from the repository root on the GPU machine: bash benchmarks/gpu/bench_multi_gpu.sh
-# Writes multi_gpu.md (a table with scaling efficiency against one GPU) to $OUT.
+# Writes multi_gpu.md and moe_multi_gpu.md (tables with scaling efficiency against one GPU) to $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash benchmarks/gpu/setup.sh
@@ -11,10 +12,10 @@ ITERS=${ITERS:-10}
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$NGPU" -lt 2 ]; then echo "bench_multi_gpu.sh needs at least 2 GPUs, found $NGPU" >&2; exit 1; fi
 rm -rf runs/multi_*  # metrics.jsonl appends, and the table lists every runs/multi_* folder
-run() {  # run NAME NPROC [--set ...]
+run() {  # run NAME NPROC [--set ...]; CONFIG= picks another model (default: the reference)
   local name=$1 nproc=$2; shift 2
   echo "== $name on $nproc GPU(s)"
-  torchrun --standalone --nproc-per-node "$nproc" -m mtl.cli train benchmarks/gpu/llama_reference.toml \
+  torchrun --standalone --nproc-per-node "$nproc" -m mtl.cli train "${CONFIG:-benchmarks/gpu/llama_reference.toml}" \
     --set train.iters="$ITERS" --set logging.dir="'runs/multi_$name'" "$@" 2>&1 | grep -v "^\[rank[1-9]" | tail -4
 }
 run gpu1 1
@@ -27,5 +28,17 @@ else
   run pp2 2 --set parallel.pp=2
   run cp2 2 --set parallel.cp=2
 fi
-python3 benchmarks/gpu/summarize.py --baseline gpu1 $(for d in runs/multi_*; do echo "${d#runs/multi_}=$d/metrics.jsonl"; done) \
-  | tee "${OUT:-.}/multi_gpu.md"
+# The MoE reference (issue 8) on one GPU and with its experts split over 2 GPUs (ep=2 = dp=2),
+# plus dp=2 over those at 4 GPUs; its own table, against its own one-GPU row.
+CONFIG=benchmarks/gpu/moe_reference.toml run moe_gpu1 1
+CONFIG=benchmarks/gpu/moe_reference.toml run moe_ep2 2 --set parallel.ep=2
+if [ "$NGPU" -ge 4 ]; then
+  CONFIG=benchmarks/gpu/moe_reference.toml run moe_dp4_ep2 4 --set parallel.ep=2
+fi
+table() {  # table BASELINE OUTFILE ROW-FOLDERS...
+  local baseline=$1 out=$2; shift 2
+  python3 benchmarks/gpu/summarize.py --baseline "$baseline" $(for d in "$@"; do echo "${d#runs/multi_}=$d/metrics.jsonl"; done) \
+    | tee "${OUT:-.}/$out"
+}
+table gpu1 multi_gpu.md $(ls -d runs/multi_* | grep -v "^runs/multi_moe_")
+table moe_gpu1 moe_multi_gpu.md runs/multi_moe_*
