@@ -231,6 +231,16 @@ def test_moe_config_keys(tmp_path, family):
     assert written["model_type"] == family and written["router_aux_loss_coef"] == pytest.approx(0.02)
 
 
+@pytest.mark.parametrize("architecture", ["gpt2", "llama", "mistral", "qwen2"])
+def test_a_model_with_experts_is_not_exported_as_a_dense_architecture(tmp_path, architecture):
+    save_hf(tmp_path / "hf", "mixtral")
+    section, state = HFConverter().to_mtl(tmp_path / "hf")
+    m = config_from_dict({"model": section}).resolve(1).model
+    with pytest.raises(ConfigError, match=rf"{architecture}' has dense MLPs only.*model.num_experts = 4"):
+        HFConverter().from_mtl(m, state, tmp_path / "out", architecture=architecture)
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
 def test_moe_exports_that_do_not_fit_are_refused(tmp_path):
     save_hf(tmp_path / "qwen2_moe", "qwen2_moe")
     section, state = HFConverter().to_mtl(tmp_path / "qwen2_moe")

@@ -62,6 +62,10 @@ ARCHITECTURES = {
 }
 
 
+# The architectures whose layers hold experts; the others export dense models only.
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
 def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
     config_path = Path(hf_dir) / "config.json"
     if not config_path.is_file():
@@ -125,6 +129,11 @@ class HFConverter:
         if model_type not in ARCHITECTURES:
             raise ConfigError(f"Hugging Face architecture {model_type!r} is not supported; use one of {', '.join(ARCHITECTURES)}")
         arch = ARCHITECTURES[model_type]
+        if getattr(model_config, "num_experts", 0) and model_type not in MOE_ARCHITECTURES:
+            raise ConfigError(
+                f"Hugging Face architecture {model_type!r} has dense MLPs only, and this model has experts "
+                f"(model.num_experts = {model_config.num_experts}): export it as one of {', '.join(MOE_ARCHITECTURES)}"
+            )
         arch.check_exportable(model_config)
         tensors = stream(partial(arch.from_mtl, model_config), as_source(state), description="the mtl state")
         dtype = tensors.metas[next(iter(tensors.metas))].dtype  # the word embedding's
