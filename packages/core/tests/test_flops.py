@@ -50,3 +50,13 @@ def test_memory_without_an_activation_formula_leaves_activations_out():
     mem = memory_per_gpu_bytes(cfg, 1000, activation_bytes_per_layer=None)
     assert "activations" not in mem
     assert mem == {"weights": 4000, "grads": 4000, "optimizer": 2000, "total": 10000}
+
+
+def test_memory_splits_expert_parameters_over_ep_too():
+    """Expert parameters live on 1/ep of the data-parallel ranks, and the distributed optimizer
+    shards their state over the dp / ep ranks holding the same experts."""
+    cfg = config("model.num_experts=4", "model.bias=false", "parallel.ep=2", "parallel.distributed_optimizer=true")
+    mem = memory_per_gpu_bytes(cfg, 3000, activation_bytes_per_layer=None, num_expert_parameters=2000)
+    params = 1000 + 2000 / 2  # dp = 4, ep = 2: half the experts on each rank
+    assert mem["weights"] == params * 4 and mem["grads"] == params * 4
+    assert mem["optimizer"] == 1000 * 8 / 4 + 1000 * 8 / 2  # dense over dp = 4, experts over dp / ep = 2

@@ -78,7 +78,8 @@ def dry_run(cfg: RunConfig) -> str:
     p = cfg.parallel
     counts = parameter_counts(model)  # padded vocabulary rows included, as the model holds them
     activations = family.activation_bytes_per_layer(cfg) if family.activation_bytes_per_layer else None
-    memory = memory_per_gpu_bytes(cfg, counts["total"], activations)
+    experts = sum(q.numel() for q in model.parameters() if getattr(q, "expert_split_dim", None) is not None)
+    memory = memory_per_gpu_bytes(cfg, counts["total"], activations, num_expert_parameters=experts)
     out = ["# resolved config", format_config(cfg), f"# model (whole model, one process; family '{family.name}')"]
     out += module_tree(model)
     out += ["", "# parameters per component"]

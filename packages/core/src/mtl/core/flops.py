@@ -30,16 +30,21 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
     return counts
 
 
-def memory_per_gpu_bytes(cfg: RunConfig, num_parameters: int, activation_bytes_per_layer: float | None) -> dict[str, float]:
+def memory_per_gpu_bytes(cfg: RunConfig, num_parameters: int, activation_bytes_per_layer: float | None,
+                         num_expert_parameters: int = 0) -> dict[str, float]:
     """A coarse estimate per GPU: weights, gradients, Adam state (sharded with the distributed
-    optimizer) of ``num_parameters`` (the whole model's) split over tp x pp, and the
-    activations of one micro-batch per in-flight pipeline stage (``activation_bytes_per_layer``
-    from the family; left out when it has none)."""
+    optimizer) of ``num_parameters`` (the whole model's) split over tp x pp, of which the
+    ``num_expert_parameters`` (``param.expert_split_dim``) are also split over ep and their Adam
+    state sharded over the dp / ep ranks holding the same experts; and the activations of one
+    micro-batch per in-flight pipeline stage (``activation_bytes_per_layer`` from the family;
+    left out when it has none)."""
     p, t = cfg.parallel, cfg.train
-    params = num_parameters / (p.tp * p.pp)
+    dense = (num_parameters - num_expert_parameters) / (p.tp * p.pp)
+    experts = num_expert_parameters / (p.tp * p.pp * p.ep)
+    params = dense + experts
     bytes_weights = params * (2 + 4 if t.precision != "fp32" else 4)  # bf16 copy + fp32 master
     bytes_grads = params * 4
-    adam = params * 8 / (p.dp if p.distributed_optimizer else 1)
+    adam = (dense * 8 / p.dp + experts * 8 / (p.dp // p.ep)) if p.distributed_optimizer else params * 8
     out = {"weights": bytes_weights, "grads": bytes_grads, "optimizer": adam}
     if activation_bytes_per_layer is not None:
         layers_here = cfg.model.num_layers / p.pp
