@@ -1,18 +1,19 @@
 """What the MoE layers report per training step: aux loss, z-loss and dropped slots.
 
 Each MoE layer adds one record per training forward (``MoEStats.record``; not in eval, not
-in the recompute of an activation checkpoint). After a step the trainer calls
-``moe_step_metrics(chunks, topology)`` on every rank (a collective over the pipeline and
-data/context-parallel groups), which returns and clears:
+in the recompute of an activation checkpoint). At each logging step (``logging.interval``)
+the trainer calls ``moe_step_metrics(chunks, topology)`` on every rank (a collective over the
+pipeline and data/context-parallel groups), which returns and clears what was recorded since
+the last call, i.e. over the steps of the interval:
 
 - ``moe_aux_loss``, ``moe_z_loss``: summed over the MoE layers, each layer's mean over the
-  step's micro-batches, averaged over data/context-parallel ranks (with coefficients: what
+  interval's forwards (micro-batches), averaged over data/context-parallel ranks (with coefficients: what
   the router adds to the loss). Under context parallelism this is the whole sequence's value,
   as one process would report it: each cp rank's aux loss uses the slot fractions summed over
   the cp group with its own tokens' mean probabilities, so the cp average is the global loss
   (see ``router.py``), and the z-loss is a per-token mean;
-- ``moe_dropped_tokens``: slots dropped for capacity in the step, summed over layers,
-  micro-batches and ranks; ``moe_dropped_fraction``: the same over the routed slots.
+- ``moe_dropped_tokens``: slots dropped for capacity in the interval, summed over layers,
+  micro-batches, steps and ranks; ``moe_dropped_fraction``: the same over the routed slots.
 
 An empty dict where the model has no experts (``model.num_experts = 0``).
 """
