@@ -219,12 +219,13 @@ def test_a_tensor_without_a_place_is_refused(tmp_path):
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_moe_config_keys(tmp_path, family):
     """Which layers are sparse, the expert width, and HF's aux-loss coefficient (its loss is top_k
-    times ours); back in config.json as they came, and the architecture follows from the model."""
+    times ours, and one loss over all MoE layers' tokens where ours is one per layer); back in
+    config.json as they came, and the architecture follows from the model."""
     save_hf(tmp_path / "hf", family)
     section, state = HFConverter().to_mtl(tmp_path / "hf")
     m = config_from_dict({"model": section}).resolve(1).model
     assert m.moe_layers == MOE_LAYERS[family] and m.num_experts == 4 and m.moe_top_k == 2
-    assert m.moe_aux_loss_coeff == pytest.approx(2 * 0.02)
+    assert m.moe_aux_loss_coeff == pytest.approx(2 * 0.02 / len(MOE_LAYERS[family]))
     assert state["layers.1.mlp.experts.linear_fc1.weight"].shape == (4, 2, m.moe_ffn_hidden_size, 32)
     HFConverter().from_mtl(m, state, tmp_path / "back")
     written = json.loads((tmp_path / "back" / "config.json").read_text())
@@ -239,6 +240,22 @@ def test_a_model_with_experts_is_not_exported_as_a_dense_architecture(tmp_path, 
     with pytest.raises(ConfigError, match=rf"{architecture}' has dense MLPs only.*model.num_experts = 4"):
         HFConverter().from_mtl(m, state, tmp_path / "out", architecture=architecture)
     assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_converted_aux_loss_weighs_like_hf(tmp_path, backend, single, family):
+    """The converted coefficient gives the summed per-layer aux losses about the size of HF's
+    one pooled loss (equal for identical layers; with the coefficient times the number of MoE
+    layers it was that many times HF's)."""
+    hf_model = save_hf(tmp_path, family, output_router_logits=True)
+    section, state = HFConverter().to_mtl(tmp_path)
+    model = mtl_model(section, state, backend, single).train()
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        hf_aux = hf_model.config.router_aux_loss_coef * hf_model(ids).aux_loss.item()
+        model(ids)
+    ours = sum(m.stats.sums["aux_loss"].item() for m in model.modules() if hasattr(m, "stats"))
+    assert 0.7 < ours / hf_aux < 1.4, (ours, hf_aux)
 
 
 def test_moe_exports_that_do_not_fit_are_refused(tmp_path):

@@ -28,7 +28,8 @@ EXPERT_NAMES = ("w1", "w3", "w2")  # gate, up, down
 
 def mixtral_model_section(hf: dict[str, Any], source: str) -> dict[str, Any]:
     section = mistral_model_section(hf, source)
-    section.update(router_section(hf, hf["num_local_experts"], norm_topk_prob=True))
+    section.update(router_section(hf, hf["num_local_experts"], norm_topk_prob=True,
+                                  num_moe_layers=hf["num_hidden_layers"]))
     section.update(moe_ffn_hidden_size=hf["intermediate_size"], moe_layer_freq=1)
     return section
 

@@ -7,8 +7,10 @@ ours stack them: ``experts.linear_fc1.weight [E, 2, ffn, h]`` (gate, up per expe
 ``experts.linear_fc2.weight [E, h, ffn]`` (``mtl.models.moe.experts``).
 
 HF's load-balancing loss (``router_aux_loss_coef``) sums its per-choice token fractions over
-the k choices, so it is k times ours (``mtl.models.moe.router``) for the same coefficient:
-``moe_aux_loss_coeff = top_k * router_aux_loss_coef``.
+the k choices, so it is k times ours (``mtl.models.moe.router``) for the same coefficient, and
+it is one loss over the tokens of all MoE layers pooled (``load_balancing_loss_func``), where
+ours adds one loss per MoE layer: each router gets the gradient HF gives it with
+``moe_aux_loss_coeff = top_k * router_aux_loss_coef / num_moe_layers``.
 """
 
 from __future__ import annotations
@@ -47,20 +49,21 @@ def experts_from_mtl(hf_prefix: str, ours: str, num_experts: int, names: tuple[s
         yield f"{hf_prefix}{e}.{down}.weight", fc2[e]
 
 
-def router_section(hf: dict[str, Any], num_experts: int, norm_topk_prob: bool) -> dict[str, Any]:
+def router_section(hf: dict[str, Any], num_experts: int, norm_topk_prob: bool, num_moe_layers: int) -> dict[str, Any]:
     """The ``[model]`` MoE keys every HF softmax router shares."""
-    top_k = hf["num_experts_per_tok"]
+    top_k, layers = hf["num_experts_per_tok"], max(1, num_moe_layers)
     return {
         "num_experts": num_experts,
         "moe_top_k": top_k,
         "moe_router": "softmax",
         "moe_norm_topk_prob": norm_topk_prob,
-        "moe_aux_loss_coeff": top_k * float(hf.get("router_aux_loss_coef", 0.001)),
+        "moe_aux_loss_coeff": top_k * float(hf.get("router_aux_loss_coef", 0.001)) / layers,
     }
 
 
 def router_config(m) -> dict[str, Any]:
-    return {"num_experts_per_tok": m.moe_top_k, "router_aux_loss_coef": m.moe_aux_loss_coeff / m.moe_top_k,
+    layers = max(1, len(m.moe_layers))
+    return {"num_experts_per_tok": m.moe_top_k, "router_aux_loss_coef": m.moe_aux_loss_coeff * layers / m.moe_top_k,
             "output_router_logits": False}
 
 

@@ -45,7 +45,8 @@ def qwen_moe_section(hf: dict[str, Any]) -> dict[str, Any]:
     num_experts = hf.get("num_experts", hf.get("num_local_experts"))
     step, dense_only = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
     sparse = [i for i in range(hf["num_hidden_layers"]) if i not in dense_only and (i + 1) % step == 0]
-    section = router_section(hf, num_experts, norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+    section = router_section(hf, num_experts, norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                             num_moe_layers=len(sparse))
     section.update(moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_layers=sparse)
     return section
 
