@@ -39,6 +39,8 @@ def test_derived_moe_layers_and_expert_width():
         (["model.num_experts=4", "model.moe_layers=[3, 1]"], 1, "model.moe_layers = [3, 1]"),
         (["model.num_experts=4", "model.moe_layers=[4]"], 1, "model.moe_layers = [4]"),
         (["model.moe_layers=[1]"], 1, "needs model.num_experts > 0"),
+        (["model.moe_shared_expert_gate=true"], 1, "model.moe_shared_expert_gate = True needs model.num_experts > 0"),
+        (["model.moe_capacity_factor=1.5"], 1, "model.moe_capacity_factor = 1.5 needs model.num_experts > 0"),
         (["model.num_experts=4", "model.moe_shared_expert_gate=true"], 1, "model.moe_shared_expert_gate"),
         (["model.num_experts=4", "model.moe_router='topk'"], 1, "model.moe_router = 'topk'"),
         (["model.num_experts=4", "model.moe_aux_loss_coeff=-1.0"], 1, "model.moe_aux_loss_coeff = -1.0"),

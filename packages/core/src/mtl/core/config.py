@@ -393,6 +393,9 @@ def _resolve_moe(m: ModelConfig, p: ParallelConfig) -> None:
                 f"model.moe_shared_expert_ffn_hidden_size = {m.moe_shared_expert_ffn_hidden_size} needs "
                 "model.num_experts > 0 (a dense model's MLP is model.ffn_hidden_size)"
             )
+        for key in ("moe_shared_expert_gate", "moe_capacity_factor"):  # set, they would do nothing
+            if getattr(m, key):
+                raise ConfigError(f"model.{key} = {getattr(m, key)} needs model.num_experts > 0 (it is 0)")
         m.moe_layers = []
         return
     if not 1 <= m.moe_top_k <= m.num_experts:
