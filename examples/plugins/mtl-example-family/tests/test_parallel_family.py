@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mtl.core.config_io import load_config
+from mtl.core.errors import ConfigError
 from mtl.core.model_protocol import INIT_KINDS, LanguageModel, build_model
 from mtl.core.plugins import installed_distributions, registry
 from mtl.models.generate import generate
@@ -122,3 +123,9 @@ def test_a_checkpoint_saved_at_tp2_resumes_at_pp2(tmp_path):
     assert sorted(first) == [1, 2] and sorted(resumed) == [3, 4]
     for step, loss in {**first, **resumed}.items():
         assert abs(loss - straight[step]) / abs(straight[step]) < LOSS_RTOL, (step, loss, straight[step])
+
+
+def test_a_config_with_experts_is_refused_by_key():
+    """The GPT-J block has one dense MLP: experts would silently be left out."""
+    with pytest.raises(ConfigError, match="model.num_experts = 4: the parallel_gpt family"):
+        build(resolved("model.num_experts=4", "model.moe_top_k=2", "model.bias=false"))

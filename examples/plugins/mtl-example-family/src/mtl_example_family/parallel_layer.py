@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtl.core.config import RunConfig
+from mtl.core.errors import ConfigError
 from mtl.core.registrations import Backend
 from mtl.core.spec import ModuleSpec, build_module
 from mtl.models.gpt.layer_spec import layer_spec as gpt_layer_spec
@@ -53,7 +54,13 @@ class ParallelTransformerLayer(nn.Module):
 def parallel_layer_spec(config: RunConfig, backend: Backend) -> ModuleSpec:
     """gpt's attention and MLP specs, wired in parallel. A backend's fused norm + linear
     applies the norm inside one consumer, but here one norm feeds two, so the leaves are
-    asked for unfused (the separate norm and linears every backend has)."""
+    asked for unfused (the separate norm and linears every backend has). Its MLP is dense:
+    a config with experts is refused rather than built without them."""
+    if config.model.num_experts:
+        raise ConfigError(
+            f"model.num_experts = {config.model.num_experts}: the parallel_gpt family's layers have dense MLPs only; "
+            "set model.num_experts = 0 or use model.family = 'gpt'"
+        )
     gpt = gpt_layer_spec(config, replace(backend, norm_column_linear=None, norm_mlp=None)).submodules
     return ModuleSpec(
         ParallelTransformerLayer,
