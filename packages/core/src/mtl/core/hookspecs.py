@@ -60,8 +60,8 @@ def mtl_model_families() -> list[ModelFamily]:
       ``compile_units()``, ``pre_process`` / ``post_process`` and ``config``. Callers build
       through ``model_protocol.build_model``, which names the family and the missing member.
     - Parameters say how they start and how they are laid out: ``init_kind`` (``tag_init``),
-      ``tp_split_dim`` / ``tp_stride``, ``vocab_rows``; initialisation and the checkpoint
-      layout read these attributes, not name patterns.
+      ``tp_split_dim`` / ``tp_stride``, ``expert_split_dim``, ``vocab_rows``; initialisation,
+      the checkpoint layout and data parallelism read these attributes, not name patterns.
     - A gpt-like family reuses ``GPTModel`` and supplies only ``layer_spec(config, backend)``.
     - ``flops_per_iteration(config)`` feeds TFLOP/s, MFU and ``--dry-run``; core holds no
       family's formula. Parameter counts come from the model built on the meta device."""

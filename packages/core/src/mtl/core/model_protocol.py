@@ -53,8 +53,9 @@ class LanguageModel(Protocol):
     Its parameters: named by global position (``layers.{i}.…`` with ``i`` the layer's index
     in the whole model), so a checkpoint written by one pipeline split loads into another;
     each carries ``init_kind`` (one of ``INIT_KINDS``, see ``tag_init``); a tensor-parallel
-    one carries ``tp_split_dim`` (and ``tp_stride`` when it fuses strided parts); a
-    vocabulary table carries ``vocab_rows``; the word embedding is
+    one carries ``tp_split_dim`` (and ``tp_stride`` when it fuses strided parts); one holding
+    this expert-parallel rank's block of experts carries ``expert_split_dim`` (its gradients are
+    then reduced over the ranks holding the same experts); a vocabulary table carries ``vocab_rows``; the word embedding is
     ``embedding.word_embeddings.weight`` and the LM head ``output_layer.weight`` (a tied copy
     on a last stage carries ``shared_embedding``). The checkpoint layout and initialisation
     read only these names and attributes.
