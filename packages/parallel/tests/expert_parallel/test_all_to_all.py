@@ -5,6 +5,7 @@ the row it came from (the reverse exchange); the counts exchange transposes the 
 import torch
 import torch.distributed as dist
 
+from mtl.core.errors import ParallelError
 from mtl.parallel.expert_parallel import all_to_all, exchange_counts
 from mtl.parallel.testing import run_distributed
 
@@ -55,3 +56,21 @@ def test_one_rank_is_the_identity():
     assert all_to_all(x, [3], [3], None) is x
     counts = torch.tensor([[4, 1]])
     assert exchange_counts(counts, None) is counts
+
+
+def wrong_splits_on_two_ranks():
+    group = dist.new_group([0, 1])
+    messages = []
+    for output_splits, input_splits in (([1], [1]), ([1, 1], [2, 1])):
+        try:
+            all_to_all(torch.zeros(2, 1), output_splits, input_splits, group)
+        except ParallelError as exc:  # mtl's own error type, which the CLI prints without a traceback
+            messages.append(str(exc))
+    return messages
+
+
+def test_wrong_splits_are_refused_with_the_splits_named():
+    for messages in run_distributed(wrong_splits_on_two_ranks, world_size=2):
+        assert len(messages) == 2
+        assert "1 input and 1 output splits for a group of 2 ranks" in messages[0]
+        assert "input splits [2, 1] do not add up to the 2 input rows" in messages[1]

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mtl.core.errors import ParallelError
+
 
 def _exchange(input: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
     input = input.contiguous()
@@ -48,12 +50,12 @@ def all_to_all(input: torch.Tensor, output_splits: list[int], input_splits: list
     if group is None:
         return input
     if len(output_splits) != dist.get_world_size(group) or len(input_splits) != dist.get_world_size(group):
-        raise ValueError(
+        raise ParallelError(
             f"all_to_all: {len(input_splits)} input and {len(output_splits)} output splits for a group of "
             f"{dist.get_world_size(group)} ranks; give one split per rank"
         )
     if sum(input_splits) != input.shape[0]:
-        raise ValueError(f"all_to_all: input splits {list(input_splits)} do not add up to the {input.shape[0]} input rows")
+        raise ParallelError(f"all_to_all: input splits {list(input_splits)} do not add up to the {input.shape[0]} input rows")
     return _AllToAll.apply(input, output_splits, input_splits, group)
 
 
