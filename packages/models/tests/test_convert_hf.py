@@ -276,6 +276,13 @@ def test_moe_exports_that_do_not_fit_are_refused(tmp_path):
     no_qk_norm = config_from_dict({"model": {**section, "qk_norm": False}}).resolve(1).model
     with pytest.raises(ConfigError, match=r"every layer is MoE in Mixtral \(model.moe_layers = \[0, 1\]\)"):
         HFConverter().from_mtl(no_qk_norm, state, tmp_path / "x", architecture="mixtral")
+    shared = config_from_dict({"model": {**section, "qk_norm": False, "moe_layers": None,
+                                         "moe_shared_expert_ffn_hidden_size": 24}}).resolve(1).model
+    with pytest.raises(ConfigError, match="moe_shared_expert_ffn_hidden_size = 24, but Mixtral has no shared expert"):
+        HFConverter().from_mtl(shared, state, tmp_path / "x", architecture="mixtral")
+    shared = config_from_dict({"model": {**section, "moe_shared_expert_ffn_hidden_size": 24}}).resolve(1).model
+    with pytest.raises(ConfigError, match="moe_shared_expert_ffn_hidden_size = 24, but Qwen3-MoE has no shared expert"):
+        HFConverter().from_mtl(shared, state, tmp_path / "x", architecture="qwen3_moe")
     save_hf(tmp_path / "window", "mixtral", sliding_window=16)
     with pytest.raises(ConfigError, match="sliding_window = 16"):
         HFConverter().to_mtl(tmp_path / "window")

@@ -56,7 +56,10 @@ def check_mixtral_exportable(m) -> None:
     if list(m.moe_layers) != list(range(m.num_layers)):
         raise ConfigError(f"MixtralForCausalLM export: every layer is MoE in Mixtral (model.moe_layers = {m.moe_layers})")
     if m.moe_shared_expert_ffn_hidden_size:
-        raise ConfigError("MixtralForCausalLM export: Mixtral has no shared expert; models with one export as qwen2_moe")
+        raise ConfigError(
+            f"MixtralForCausalLM export: model.moe_shared_expert_ffn_hidden_size = {m.moe_shared_expert_ffn_hidden_size}, "
+            "but Mixtral has no shared expert; models with one export as qwen2_moe"
+        )
 
 
 def mixtral_config(m, dtype: torch.dtype) -> dict[str, Any]:

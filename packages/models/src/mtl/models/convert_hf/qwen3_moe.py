@@ -35,7 +35,10 @@ def check_qwen3_moe_exportable(m) -> None:
             f"{m.qk_norm}, bias = {m.bias}, qkv_bias = {m.qkv_bias})"
         )
     if m.moe_shared_expert_ffn_hidden_size:
-        raise ConfigError("Qwen3MoeForCausalLM export: Qwen3-MoE has no shared expert; export as qwen2_moe")
+        raise ConfigError(
+            f"Qwen3MoeForCausalLM export: model.moe_shared_expert_ffn_hidden_size = {m.moe_shared_expert_ffn_hidden_size}, "
+            "but Qwen3-MoE has no shared expert; export as qwen2_moe"
+        )
 
 
 def qwen3_moe_config(m, dtype: torch.dtype) -> dict[str, Any]:
