@@ -107,6 +107,9 @@ def groups_on_four_ranks():
             assert total.item() == sum(mine), (layout, name, total, mine)
         embedding = topo.group_ranks["embedding"]
         assert embedding == sorted({topo.rank_of(topo.tp_rank, topo.cp_rank, topo.dp_rank, p) for p in (0, topo.pp - 1)})
+        # ep = 1: the expert groups are the dense groups themselves (no second communicator)
+        assert topo.group("edp") is topo.group("dp") and topo.group("edp_cp") is topo.group("dp_cp")
+        assert topo.group_ranks["edp_cp"] == topo.group_ranks["dp_cp"]
         out[str(layout)] = (topo.tp_rank, topo.cp_rank, topo.dp_rank, topo.pp_rank)
     for layout in ({"ep": 2}, {"cp": 2, "ep": 2}):
         topo = Topology.build(**layout)

@@ -28,6 +28,8 @@ import torch.distributed as dist
 from mtl.core.errors import ParallelError
 
 AXES = ("tp", "cp", "dp", "pp")  # fastest first
+# At ep = 1 every rank holds every expert: the expert groups are these dense ones.
+EXPERT_ALIASES = {"edp": "dp", "edp_cp": "dp_cp"}
 
 
 @dataclass
@@ -87,10 +89,15 @@ class Topology:
                     self.groups[name] = group
                     self.group_ranks[name] = ranks
         for name, ranks in self._expert_rank_sets():
+            if self.ep == 1 and name in EXPERT_ALIASES:  # the same ranks as a dense group: reuse
+                continue                                 # it, not a second NCCL communicator
             group = dist.new_group(ranks)
             if self.rank in ranks:
                 self.groups[name] = group
                 self.group_ranks[name] = ranks
+        if self.ep == 1:
+            for name, dense in EXPERT_ALIASES.items():
+                self.groups[name], self.group_ranks[name] = self.groups[dense], self.group_ranks[dense]
         # Embedding group: first and last pipeline stage, to keep tied weights in sync.
         for pp_ranks in self._rank_sets(("pp",)):
             ranks = sorted({pp_ranks[0], pp_ranks[-1]})
