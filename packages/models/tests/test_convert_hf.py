@@ -258,6 +258,20 @@ def test_converted_aux_loss_weighs_like_hf(tmp_path, backend, single, family):
     assert 0.7 < ours / hf_aux < 1.4, (ours, hf_aux)
 
 
+def test_qwen2_moe_without_qkv_biases_round_trips(tmp_path, backend, single):
+    """config.json's qkv_bias = false imports as model.qkv_bias = false and exports back so."""
+    hf_model = save_hf(tmp_path / "hf", "qwen2_moe", qkv_bias=False)
+    section, state = HFConverter().to_mtl(tmp_path / "hf")
+    model = mtl_model(section, state, backend, single)
+    assert not model.config.model.qkv_bias
+    HFConverter().from_mtl(model.config.model, gather_global_state(model, single), tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["qkv_bias"] is False
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    ids = torch.randint(0, VOCAB, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, hf_model(ids).logits)
+
+
 def test_moe_exports_that_do_not_fit_are_refused(tmp_path):
     save_hf(tmp_path / "qwen2_moe", "qwen2_moe")
     section, state = HFConverter().to_mtl(tmp_path / "qwen2_moe")

@@ -97,7 +97,8 @@ def qwen2_moe_model_section(hf: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def check_qwen2_moe_exportable(m) -> None:
-    check_llama_like_exportable(m, "Qwen2MoeForCausalLM", qkv_bias_only=True)
+    # q/k/v biases alone (the default), or none (config.json's qkv_bias = false)
+    check_llama_like_exportable(m, "Qwen2MoeForCausalLM", qkv_bias_only=bool(m.qkv_bias))
     check_moe_exportable(m, "Qwen2MoeForCausalLM")
     if not (m.moe_shared_expert_ffn_hidden_size and m.moe_shared_expert_gate):
         raise ConfigError(
@@ -108,6 +109,6 @@ def check_qwen2_moe_exportable(m) -> None:
 
 def qwen2_moe_config(m, dtype: torch.dtype) -> dict[str, Any]:
     config = {**qwen2_config(m, dtype), **qwen_moe_config(m)}
-    config.update(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", qkv_bias=True,
+    config.update(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", qkv_bias=bool(m.qkv_bias),
                   shared_expert_intermediate_size=m.moe_shared_expert_ffn_hidden_size)
     return config
