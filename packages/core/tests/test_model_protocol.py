@@ -42,6 +42,23 @@ def test_a_complete_model_passes_and_is_a_language_model():
     assert built(torch.ones(1, 2)).shape == (1, 2)
 
 
+def test_a_family_layer_spec_reaches_build():
+    seen = {}
+
+    def build(config, topology, backend, **stage):
+        seen.update(stage)
+        return Complete(config, stage.get("pre_process", True), stage.get("post_process", True))
+
+    def spec(config, backend):
+        return "my layer"
+
+    build_model(ModelFamily(name="mine", build=build, layer_spec=spec), "cfg", None, None, pre_process=True)
+    assert seen == {"pre_process": True, "layer_spec": spec}
+    seen.clear()
+    build_model(ModelFamily(name="plain", build=build), "cfg", None, None)
+    assert seen == {}  # a record without a layer spec passes none
+
+
 def test_a_missing_member_is_named_with_the_family():
     with pytest.raises(PluginError) as err:
         check_model(NoStageMethods(), "parallel_gpt")

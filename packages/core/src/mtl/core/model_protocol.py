@@ -112,5 +112,8 @@ def check_model(model: Any, family: str) -> LanguageModel:
 
 def build_model(family: Any, config: Any, topology: Any, backend: Any, **stage: Any) -> LanguageModel:
     """``family.build(config, topology, backend, **stage)``, checked against ``LanguageModel``.
-    ``stage``: ``pre_process``, ``post_process``, ``layer_range`` of a pipeline stage."""
+    ``stage``: ``pre_process``, ``post_process``, ``layer_range`` of a pipeline stage; a family
+    record with a ``layer_spec`` also passes it (``build(..., layer_spec=...)``, as gpt's does)."""
+    if getattr(family, "layer_spec", None) is not None:
+        stage = {**stage, "layer_spec": family.layer_spec}
     return check_model(family.build(config, topology, backend, **stage), family.name)

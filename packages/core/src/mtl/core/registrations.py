@@ -125,8 +125,9 @@ class ModelFamily:
       same global weights (``mtl.models.initialization`` does this for ``GPTModel``), and it
       must build on the meta device (``--dry-run`` counts parameters from that model).
     - ``layer_spec(config, backend) -> ModuleSpec`` (optional): the spec of one transformer
-      layer, for families built on ``mtl.models.gpt.GPTModel`` (``mtl.models.gpt.family.
-      gpt_like_family`` wires it into ``build``); a gpt-like family supplies only this.
+      layer, for families built on ``mtl.models.gpt.GPTModel``; ``model_protocol.build_model``
+      hands it to ``build`` as ``layer_spec=`` (``build_gpt`` takes it), so a gpt-like family
+      supplies only this (``mtl.models.gpt.family.gpt_like_family`` also brings gpt's formulas).
     - ``flops_per_iteration(config) -> float`` (optional): model FLOPs of one training
       iteration (forward and backward, counted as Megatron counts them); the training loop's
       TFLOP/s and MFU and ``--dry-run`` use it, and omit them for a family without one.

@@ -1,14 +1,13 @@
 """``gpt_like_family``: the ``ModelFamily`` record of a family built on ``GPTModel``.
 
 A gpt-like variant (another layer shape on the same embedding, stack, head and loss) supplies
-only its ``layer_spec``; this wires it into ``build`` and gives the record gpt's FLOP and
-activation formulas unless the variant brings its own, so ``build`` and ``layer_spec`` can
-never disagree.
+only its ``layer_spec``: ``build`` is ``build_gpt``, which ``model_protocol.build_model`` hands
+the record's ``layer_spec``, and the record gets gpt's FLOP and activation formulas unless the
+variant brings its own.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Mapping
 
 from mtl.core.registrations import ModelFamily
@@ -27,7 +26,7 @@ def gpt_like_family(
 ) -> ModelFamily:
     return ModelFamily(
         name=name,
-        build=functools.partial(build_gpt, layer_spec=layer_spec),
+        build=build_gpt,
         converters=dict(converters or {}),
         description=description,
         layer_spec=layer_spec,
