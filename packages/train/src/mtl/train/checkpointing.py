@@ -97,8 +97,8 @@ def optimizer_save_state(optimizer, topology: Topology, chunks: list) -> dict[st
     the fp32 main weights where the optimizer keeps them (under the model's keys: they replace
     the lower-precision copy ``model_sharded_state`` describes).
 
-    A collective under the distributed optimizer (it gathers each bucket's moments over dp x
-    cp); a rank keeps a copy only of the tensors it writes and describes the rest by shape."""
+    A collective under the distributed optimizer (it gathers each bucket's moments over the
+    bucket's group: dp x cp, or expert-dp x cp for expert parameters); a rank keeps a copy only of the tensors it writes and describes the rest by shape."""
     entries = _entries(chunks, topology)
     index_of = {id(entry.param): index for index, entry in enumerate(entries)}
     state: dict[str, ShardedTensor] = {}
