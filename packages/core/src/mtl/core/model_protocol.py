@@ -57,8 +57,8 @@ class LanguageModel(Protocol):
     this expert-parallel rank's block of experts carries ``expert_split_dim`` (its gradients are
     then reduced over the ranks holding the same experts); a vocabulary table carries ``vocab_rows``; the word embedding is
     ``embedding.word_embeddings.weight`` and the LM head ``output_layer.weight`` (a tied copy
-    on a last stage carries ``shared_embedding``). The checkpoint layout and initialisation
-    read only these names and attributes.
+    on a last stage carries ``shared_embedding`` and, in ``tied_global_name``, the name of the
+    parameter it copies). The checkpoint layout and initialisation read only these attributes.
     """
 
     config: Any

@@ -13,9 +13,9 @@ contiguous box of it. Checkpoints, the HF converters and the initializer all use
 - an expert tensor (``param.expert_split_dim = 0``, ``mtl.models.moe.experts``) holds the
   ``E / ep`` experts of this rank's ``topology.ep_rank``: its box on dim 0 starts at
   ``ep_rank * E / ep`` of the global ``[E, ...]`` tensor (inside each expert, TP splits as above);
-- a last-stage output weight tied to the word embedding (``param.shared_embedding`` on a
-  stage without the embedding) is the same global tensor as ``embedding.word_embeddings.weight``
-  and is listed under that name;
+- a weight that is a pipeline stage's copy of another stage's parameter (a last-stage output
+  weight tied to the word embedding) names that parameter in ``param.tied_global_name`` and is
+  listed under it: the same global tensor, whatever the family calls either module;
 - a vocabulary table (the word embedding, the output layer) tagged with ``param.vocab_rows``
   is padded to a multiple of 128·tp rows so every TP rank holds an equal slice, but its
   global tensor has only the true vocabulary's ``vocab_rows`` rows: a rank's box is the part
@@ -32,8 +32,7 @@ from torch import nn
 
 from mtl.core.errors import ParallelError
 
-WORD_EMBEDDING = "embedding.word_embeddings.weight"
-TIED_OUTPUT = "output_layer.weight"
+WORD_EMBEDDING = "embedding.word_embeddings.weight"  # gpt's word embedding (its tied output's global name)
 
 Layout = dict[str, tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]
 
@@ -111,9 +110,7 @@ def parameter_entries(model: nn.Module, topology) -> list[ParamEntry]:
                 )
             global_shape[0] = vocab_rows
             global_offset[0] = min(global_offset[0], vocab_rows)
-        global_name = name
-        if name == TIED_OUTPUT and getattr(param, "shared_embedding", False):
-            global_name = WORD_EMBEDDING
+        global_name = getattr(param, "tied_global_name", name)
         if global_name in seen:
             raise ParallelError(f"parameters {seen[global_name]} and {name} map to one global tensor {global_name}")
         seen[global_name] = name
