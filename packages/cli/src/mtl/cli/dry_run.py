@@ -15,6 +15,7 @@ from mtl.core.config_io import format_config
 from mtl.core.flops import memory_per_gpu_bytes, parameter_counts
 from mtl.core.model_protocol import build_model
 from mtl.core.plugins import registry
+from mtl.parallel.ddp.reduce_group import is_expert_param
 from mtl.parallel.topology import Topology
 from mtl.train.validate import check_training_settings
 
@@ -78,7 +79,7 @@ def dry_run(cfg: RunConfig) -> str:
     p = cfg.parallel
     counts = parameter_counts(model)  # padded vocabulary rows included, as the model holds them
     activations = family.activation_bytes_per_layer(cfg) if family.activation_bytes_per_layer else None
-    experts = sum(q.numel() for q in model.parameters() if getattr(q, "expert_split_dim", None) is not None)
+    experts = sum(q.numel() for q in model.parameters() if is_expert_param(q))
     memory = memory_per_gpu_bytes(cfg, counts["total"], activations, num_expert_parameters=experts)
     out = ["# resolved config", format_config(cfg), f"# model (whole model, one process; family '{family.name}')"]
     out += module_tree(model)

@@ -32,6 +32,15 @@ AXES = ("tp", "cp", "dp", "pp")  # fastest first
 EXPERT_ALIASES = {"edp": "dp", "edp_cp": "dp_cp"}
 
 
+def _expert_aliases(ep: int, cp: int) -> dict[str, str]:
+    """Expert groups whose ranks equal another group's (which they reuse rather than create a
+    second NCCL communicator over the same ranks): the dense ones at ep = 1; without context
+    parallelism "edp" is "edp_cp"."""
+    if ep == 1:
+        return EXPERT_ALIASES
+    return {"edp": "edp_cp"} if cp == 1 else {}
+
+
 @dataclass
 class Topology:
     tp: int = 1
@@ -88,16 +97,16 @@ class Topology:
                 if self.rank in ranks:
                     self.groups[name] = group
                     self.group_ranks[name] = ranks
+        aliases = _expert_aliases(self.ep, self.cp)
         for name, ranks in self._expert_rank_sets():
-            if self.ep == 1 and name in EXPERT_ALIASES:  # the same ranks as a dense group: reuse
-                continue                                 # it, not a second NCCL communicator
+            if name in aliases:  # the same ranks as another group: reuse it
+                continue
             group = dist.new_group(ranks)
             if self.rank in ranks:
                 self.groups[name] = group
                 self.group_ranks[name] = ranks
-        if self.ep == 1:
-            for name, dense in EXPERT_ALIASES.items():
-                self.groups[name], self.group_ranks[name] = self.groups[dense], self.group_ranks[dense]
+        for name, same in aliases.items():
+            self.groups[name], self.group_ranks[name] = self.groups[same], self.group_ranks[same]
         # Embedding group: first and last pipeline stage, to keep tied weights in sync.
         for pp_ranks in self._rank_sets(("pp",)):
             ranks = sorted({pp_ranks[0], pp_ranks[-1]})

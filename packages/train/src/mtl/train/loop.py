@@ -216,7 +216,7 @@ def train(config: RunConfig, progress: bool = True) -> TrainResult:
                 logged = iteration % cfg.logging.interval == 0 or iteration == t.iters
                 # routers' aux/z losses and dropped tokens since the last logged step (a
                 # collective, so every rank asks, only when logging)
-                experts = moe_step_metrics(run.chunks, run.topology) if cfg.model.num_experts and logged else {}
+                experts = moe_step_metrics(run.chunks, run.topology) if logged else {}  # {} without experts
                 if writer:
                     metrics = {"loss": step.loss, "lr": lr, "grad_norm": step.grad_norm,
                                "skipped_steps": scaler.skipped_steps, "bad_steps": result.bad_steps,

@@ -101,7 +101,7 @@ def train_step(config: RunConfig, topology: Topology, chunks: list, optimizer, b
 
     for chunk in chunks:
         chunk.zero_grad()
-        if config.model.num_experts:  # the router's losses get the LM loss's scaling in backward
+        if config.model.num_experts and scaler.dynamic:  # fp16: the routers' losses get the loss scale too
             set_aux_loss_scale(chunk, scaler.scale / config.train.num_micro_batches)
     forward_step = _forward_step_factory(config, device, scaler.scale)
     loss_dicts = _run_schedule(config, topology, chunks, batches_per_chunk, forward_step, forward_only=False)
