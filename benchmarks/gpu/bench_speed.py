@@ -25,7 +25,7 @@ the median over the iterations after the first ``--skip``; TFLOP/s/GPU is Megatr
 (``mtl.train.metrics.iteration_flops`` of that config: the family's count) over s/iter; MFU against the
 ``matmul`` row; peak memory is ``torch.cuda.max_memory_allocated`` of the row's process.
 
-``--profile SYSTEM`` adds a torch.profiler breakdown of two steps of one system (top-20
+``--profile SYSTEM`` adds a torch.profiler breakdown of two steps of one system (top-45
 kernels by CUDA time and time per category) to ``--profile-out``. ``--tiny`` (with
 ``--device cpu``) is a minute-long run of a small model for checking the script itself.
 """
@@ -376,7 +376,7 @@ def _profile(step, spec: dict, title: str) -> dict:
     from profile_step import kernel_table, profile_steps
 
     prof = profile_steps(step, warmup=2, steps=2)
-    Path(spec["profile_out"]).write_text(kernel_table(prof, steps=2, rows=20, title=title))
+    Path(spec["profile_out"]).write_text(kernel_table(prof, steps=2, rows=45, title=title))
     return dict(profile=spec["profile_out"])
 
 
