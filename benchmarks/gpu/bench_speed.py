@@ -16,8 +16,7 @@ table goes on:
   custom: ``NAME:KEY=VALUE;KEY=VALUE``; the pseudo-key ``bench.fused_loss=false`` runs
   mtl's LM head and loss unfused, as presets ``eager-unfused`` / ``compile-unfused`` do;
   ``bench.wgrad_fusion=false`` adds each micro-batch's bf16 weight gradient into ``main_grad``
-  in the DataParallel hook instead of in the GEMM, as preset ``compile-nowgradfusion`` does;
-  ``bench.fp8_gemms_compiled=true`` puts mtl-quant's FP8 GEMMs inside the compiled graph).
+  in the DataParallel hook instead of in the GEMM, as preset ``compile-nowgradfusion`` does).
 
 Every system runs the same resolved config (``--config``, default the reference model
 ``llama_reference.toml``, plus ``--set``): same shapes, micro-batch, global batch. s/iter is
@@ -331,15 +330,8 @@ def _bench_keys(sets: list[str]) -> list[str]:
                 import mtl.train.setup as setup
 
                 setup.enable_wgrad_fusion = lambda module: 0  # bf16 grads added into main_grad by the hook
-        elif key.strip() == "bench.fp8_gemms_compiled":
-            if value.strip().lower() in ("true", "1", "yes"):
-                from mtl.quant.layers import Fp8Gemm
-
-                # the FP8 layers' GEMMs inside the compiled graph (their eager fallback removed)
-                Fp8Gemm.local_linear = Fp8Gemm.local_linear.__wrapped__
         elif key.strip().startswith("bench."):
-            raise SystemExit(f"unknown bench key {key!r} (have bench.fused_loss, bench.wgrad_fusion, "
-                             "bench.fp8_gemms_compiled)")
+            raise SystemExit(f"unknown bench key {key!r} (have bench.fused_loss, bench.wgrad_fusion)")
         else:
             rest.append(item)
     return rest

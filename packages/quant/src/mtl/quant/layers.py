@@ -112,13 +112,9 @@ class Fp8Gemm:
             self._recompute_scales[key] = (plan.scale_x, plan.scale_w)
             plan.release = lambda: self._recompute_scales.pop(key, None)
 
-    # Eager even inside a ``train.compile`` region. Measured on an H100 (torch 2.11,
-    # benchmarks/gpu/fp8_check.py, RESULTS.md): compiled, the FP8 layers' weights stopped
-    # learning (a 2-layer slice of the reference model: loss 5.90 after 8 steps against 5.65
-    # eager and bf16) while the step got faster than its GEMMs allow; on CPU compiled and eager
-    # agree. Until the compiled backward is understood, the FP8 GEMMs stay out of the graph
-    # (norms, attention and activations around them still compile).
-    @torch.compiler.disable
+    # Compiles with the layer (``train.compile``): the GEMM itself is the ``mtl::fp8_gemm``
+    # op, which inductor keeps whole. When inductor lowered ``torch._scaled_mm`` itself, the FP8
+    # weights stopped learning on an H100 (benchmarks/RESULTS.md, fp8_check.py).
     def local_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> [..., N] through FP8 GEMMs (forward and backward)."""
         out_dtype = compute_dtype(x)
