@@ -16,7 +16,10 @@ table goes on:
   custom: ``NAME:KEY=VALUE;KEY=VALUE``; the pseudo-key ``bench.fused_loss=false`` runs
   mtl's LM head and loss unfused, as presets ``eager-unfused`` / ``compile-unfused`` do;
   ``bench.wgrad_fusion=false`` adds each micro-batch's bf16 weight gradient into ``main_grad``
-  in the DataParallel hook instead of in the GEMM, as preset ``compile-nowgradfusion`` does).
+  in the DataParallel hook instead of in the GEMM, as preset ``compile-nowgradfusion`` does;
+  ``bench.inductor.NAME=VALUE`` sets ``torch._inductor.config.NAME`` (a Python literal), e.g.
+  ``bench.inductor.coordinate_descent_tuning=True``; ``bench.compile_mode=MODE`` compiles the
+  regions with ``torch.compile(mode=MODE)``, e.g. ``reduce-overhead`` for CUDA graphs).
 
 Every system runs the same resolved config (``--config``, default the reference model
 ``llama_reference.toml``, plus ``--set``): same shapes, micro-batch, global batch. s/iter is
@@ -330,8 +333,32 @@ def _bench_keys(sets: list[str]) -> list[str]:
                 import mtl.train.setup as setup
 
                 setup.enable_wgrad_fusion = lambda module: 0  # bf16 grads added into main_grad by the hook
+        elif key.strip().startswith("bench.inductor."):
+            import ast
+
+            import torch._inductor.config as inductor_config
+
+            name = key.strip()[len("bench.inductor."):]
+            if not hasattr(inductor_config, name):
+                raise SystemExit(f"{key!r}: torch._inductor.config has no {name!r}")
+            setattr(inductor_config, name, ast.literal_eval(value.strip()))
+        elif key.strip() == "bench.compile_mode":
+            import mtl.train.compile as compile_module
+
+            mode = value.strip().strip("'\"")
+
+            def compile_regions(chunks, _mode=mode):  # as mtl's, with torch.compile's mode
+                units = [u for chunk in chunks for u in compile_module.compile_units(chunk)]
+                for unit in units:
+                    unit.compile(fullgraph=False, dynamic=False, mode=_mode)
+                return len(units)
+
+            import mtl.train.setup as setup
+
+            setup.compile_regions = compile_regions
         elif key.strip().startswith("bench."):
-            raise SystemExit(f"unknown bench key {key!r} (have bench.fused_loss, bench.wgrad_fusion)")
+            raise SystemExit(f"unknown bench key {key!r} (have bench.fused_loss, bench.wgrad_fusion, "
+                             "bench.inductor.<torch._inductor.config name>, bench.compile_mode)")
         else:
             rest.append(item)
     return rest

@@ -89,13 +89,47 @@ def category(name: str) -> str:
     return "other"
 
 
+def device_idle(prof, steps: int, largest: int = 8) -> str:
+    """Markdown lines: how long the GPU sat idle between the first and the last kernel of the
+    profiled steps (the host not keeping it fed: a sync drained the queue, or Python was slower
+    than the kernels), and the largest gaps with the kernels on either side. "" without CUDA."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if getattr(e, "device_type", None) == DeviceType.CUDA and not e.is_user_annotation
+                   and e.time_range.end > e.time_range.start)
+    if not spans:
+        return ""
+    gaps = []  # (µs, kernel before, kernel after)
+    busy_until, last = spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        if start > busy_until:
+            gaps.append((start - busy_until, last, name))
+        if end > busy_until:
+            busy_until, last = end, name
+    window = busy_until - spans[0][0]
+    idle = sum(g for g, _, _ in gaps)
+    gaps.sort(reverse=True)
+
+    def short(name: str) -> str:
+        return name if len(name) <= 60 else name[:57] + "..."
+
+    lines = [f"Device idle: {idle / steps / 1e3:.1f} ms/step of {window / steps / 1e3:.1f} ms from first to last "
+             f"kernel ({len(gaps)} gaps; {sum(1 for g, _, _ in gaps if g >= 100) / steps:g}/step of 0.1 ms or more). "
+             "Largest gaps:", ""]
+    lines += [f"- {g / 1e3:.2f} ms after `{short(before)}`, before `{short(after)}`" for g, before, after in gaps[:largest]]
+    return "\n".join(lines)
+
+
 def kernel_table(prof, steps: int, rows: int = 20, title: str = "") -> str:
     """Markdown: the top ``rows`` GPU kernels by device time per step, and the time per
     category. Without CUDA events (a CPU run), the top operators by self CPU time."""
     from torch.autograd import DeviceType
 
     events = prof.key_averages()
-    kernels = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA and _device_time(e) > 0]
+    # (a user annotation such as ``Optimizer.step#AdamW.step`` spans kernels: not one itself)
+    kernels = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA and _device_time(e) > 0
+               and not getattr(e, "is_user_annotation", False)]
     if kernels:
         timed = [(e.key, e.count, _device_time(e)) for e in kernels]
         unit = "GPU kernels by device time"
@@ -121,6 +155,9 @@ def kernel_table(prof, steps: int, rows: int = 20, title: str = "") -> str:
     lines += ["", f"Host synchronisation per step: {sync_text or 'none recorded'} (`aten::_local_scalar_dense` "
               "is a .item()/float(): a sync only on a device tensor; the profiler's own end-of-window "
               "`cudaDeviceSynchronize` counts once in all)."]
+    idle = device_idle(prof, steps)
+    if idle:
+        lines += ["", idle]
     by_cat: dict[str, float] = {}
     for name, _, t in timed:
         by_cat[category(name)] = by_cat.get(category(name), 0.0) + t

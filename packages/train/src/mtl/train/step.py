@@ -3,6 +3,7 @@ evaluation pass, over any combination of tp/pp/vpp/cp/dp."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -115,14 +116,15 @@ def train_step(config: RunConfig, topology: Topology, chunks: list, optimizer, b
             if grad is not None:
                 grad.mul_(1.0 / scaler.scale)
     max_norm = config.train.clip_grad if config.train.clip_grad > 0 else float("inf")
-    grad_norm = float(optimizer.clip_grad_norm(max_norm))
-    found_inf = not torch.isfinite(torch.tensor(grad_norm)).item()
-    skipped = scaler.update(found_inf)
-    if not skipped:
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.step()
-    return StepResult(loss=_mean_loss(loss_dicts, topology, device), grad_norm=grad_norm, skipped=skipped)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    # No host read before the update is queued: clipping and the skip of a non-finite step
+    # happen on the device (clip_and_step); the norm and loss are read after.
+    grad_norm, _ = optimizer.clip_and_step(max_norm)
+    loss = _mean_loss(loss_dicts, topology, device)
+    grad_norm = grad_norm.item()
+    skipped = scaler.update(not math.isfinite(grad_norm))
+    return StepResult(loss=loss, grad_norm=grad_norm, skipped=skipped)
 
 
 @torch.no_grad()

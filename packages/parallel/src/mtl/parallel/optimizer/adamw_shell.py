@@ -3,6 +3,7 @@ the weight-decay groups, LR access, state dicts and checkpoint-shaped state."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from mtl.core.errors import CheckpointError, ConfigError
-from mtl.parallel.optimizer.grad_norm import clip_grad_norm
+from mtl.parallel.optimizer.grad_norm import CLIP_EPS, clip_grad_norm, global_grad_norm
 from mtl.parallel.optimizer.param_groups import uses_weight_decay
 from mtl.parallel.optimizer.state_layout import MOMENTS, MomentPiece, ensure_adamw_state
 from mtl.parallel.topology import Topology
@@ -69,10 +70,12 @@ class AdamWShell:
         self.entries = entries
         decay = [e.piece for e in entries if uses_weight_decay(e.name, e.source)]
         no_decay = [e.piece for e in entries if not uses_weight_decay(e.name, e.source)]
-        fused = bool(entries) and all(e.piece.is_cuda for e in entries)
+        # The fused kernel (CUDA and CPU) takes the clip coefficient and the skip flag as device
+        # tensors (``clip_and_step``); a rank with nothing to update has no kernel to give them to.
+        self.fused = bool(entries) and len({e.piece.device.type for e in entries}) == 1
         self.inner = torch.optim.AdamW(
             [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=lr, betas=tuple(betas), eps=eps, fused=True if fused else None,
+            lr=lr, betas=tuple(betas), eps=eps, fused=True if self.fused else None,
         )
 
     @property
@@ -110,6 +113,30 @@ class AdamWShell:
     def clip_grad_norm(self, max_norm: float) -> float:
         """``optimizer.grad_norm.clip_grad_norm`` over this optimizer's parameters."""
         return clip_grad_norm(self.model_params, max_norm, self.topology, grads_are_dp_sharded=self.is_dp_sharded)
+
+    @torch.no_grad()
+    def clip_and_step(self, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip the gradients to the global L2 norm ``max_norm`` (``inf``: no clipping) and
+        take the step, without reading anything on the host: returns (norm, found_inf) as
+        device scalars.
+
+        ``clip_grad_norm`` needs the norm on the host (``.item()``), and the host then waits
+        for the whole backward before it can launch the update. Here the clip coefficient
+        goes into the fused AdamW kernel as its ``grad_scale`` (each gradient divided by
+        max(1, norm / max_norm) as it is read), and a non-finite norm (``found_inf`` = 1) makes
+        the kernel leave weights, moments and step count as they were, as torch's GradScaler
+        skips a step."""
+        norm = global_grad_norm(self.model_params, self.topology, self.is_dp_sharded)
+        found_inf = (~torch.isfinite(norm)).float()
+        if self.fused:
+            self.inner.grad_scale = (torch.clamp((norm + CLIP_EPS) / max_norm, min=1.0)
+                                     if math.isfinite(max_norm) else None)
+            self.inner.found_inf = found_inf
+        try:
+            self.step()  # a rank with no parameters still joins the step's collectives
+        finally:
+            self.inner.grad_scale = self.inner.found_inf = None
+        return norm, found_inf
 
     # ---- state -----------------------------------------------------------------------------
     def _layout(self) -> list[tuple[str, int, int]]:
