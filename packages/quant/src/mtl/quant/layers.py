@@ -19,6 +19,11 @@ call comes from the history (its max, or the most recent entry), or from the cal
 while the history is still empty (the first call); the call's amax then enters the history.
 A forward recomputed for activation checkpointing reuses the scales its original forward used
 (kept first in, first out until that micro-batch's backward) and records nothing.
+
+Current and row-wise scaling keep the weight's FP8 operands in a ``WeightCache``
+(``weight_cache.py``): quantized on the first call after an optimizer step (or a load), reused
+by the other micro-batches. Delayed scaling has none: its weight scale comes from the amax
+history, which moves with every call, so the FP8 weight differs between micro-batches too.
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ from torch import nn
 from mtl.core.errors import ConfigError
 from mtl.core.registrations import Fp8Settings
 from mtl.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from mtl.quant.linear_function import Fp8Linear, GemmPlan
+from mtl.quant.linear_function import Fp8Linear, GemmPlan, quantize_weight
 from mtl.quant.scaling import E4M3, amax, formats, reduce_max, scale_from_amax
+from mtl.quant.weight_cache import QuantizedWeight, WeightCache, caching_enabled
 
 RECIPES = ("current", "delayed", "rowwise")
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
@@ -67,6 +73,17 @@ class Fp8Gemm:
             self.fp8_amax_history = nn.Parameter(torch.zeros(3, fp8.amax_history_len), requires_grad=False)
             self._recompute_scales: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
             self._calls = 0
+        cacheable = fp8.recipe in ("current", "rowwise") and caching_enabled()
+        self.weight_cache = WeightCache() if cacheable else None
+        if self.weight_cache is not None:  # a loaded weight is a new weight
+            self.register_load_state_dict_post_hook(lambda module, _keys: module.weight_cache.invalidate())
+
+    def _apply(self, fn, recurse=True):
+        """``module.to(...)``, ``.cuda()``, ...: the cached FP8 weight is of the old tensor."""
+        cache = self.__dict__.get("weight_cache")
+        if cache is not None:
+            cache.invalidate()
+        return super()._apply(fn, recurse)
 
     def _groups(self, role: int) -> tuple:
         """The groups over which this role's amax is reduced (see the module docstring)."""
@@ -93,11 +110,26 @@ class Fp8Gemm:
                         k_split=self.k_split)
         if recipe == "current":
             plan.scale_x = self._current_scale(INPUT, x, E4M3)
-            plan.scale_w = self._current_scale(WEIGHT, weight, E4M3)
+            plan.weight = self._cached_weight(plan, weight)
+            plan.scale_w = plan.weight.forward[1] if plan.weight is not None else self._current_scale(WEIGHT, weight, E4M3)
             plan.grad_scale = lambda dy: self._current_scale(GRAD_OUTPUT, dy, self.grad_dtype)
         elif recipe == "delayed":
             self._plan_delayed(plan, x, weight)
+        else:
+            plan.weight = self._cached_weight(plan, weight)
         return plan
+
+    def _cached_weight(self, plan: GemmPlan, weight: torch.Tensor) -> QuantizedWeight | None:
+        """W's FP8 operands from the weight cache (built when stale), or None without one: the
+        GEMMs then quantize W per call."""
+        if self.weight_cache is None:
+            return None
+
+        def build(w: torch.Tensor) -> QuantizedWeight:
+            scale_w = None if plan.rowwise else self._current_scale(WEIGHT, w, E4M3)
+            return quantize_weight(w, plan, scale_w)
+
+        return self.weight_cache.get(weight, build)
 
     def _plan_delayed(self, plan: GemmPlan, x: torch.Tensor, weight: torch.Tensor) -> None:
         plan.grad_scale = lambda dy: self._delayed_scale(GRAD_OUTPUT, dy, self.grad_dtype, record=True)
@@ -124,7 +156,8 @@ class Fp8Gemm:
         return y if bias is None else y + bias.to(y.dtype)
 
     def fp8_repr(self) -> str:
-        return f"fp8={self.fp8.recipe}/{self.fp8.format}"
+        cache = ", weight_cache" if self.weight_cache is not None else ""
+        return f"fp8={self.fp8.recipe}/{self.fp8.format}{cache}"
 
 
 class Fp8ColumnParallelLinear(Fp8Gemm, ColumnParallelLinear):

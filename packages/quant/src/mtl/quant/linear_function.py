@@ -12,6 +12,10 @@ for the backward, which re-quantizes them along the other axis. Where TP splits 
 contraction dimension (forward K of a row-parallel layer, backward N of a column-parallel
 one) the per-row amaxes are reduced over the TP group, so every rank's scales are one
 process's.
+
+A layer with a weight cache (``weight_cache.py``) hands in ``plan.weight``, the weight's FP8
+operands for both GEMMs already built (once per optimizer step); the forward then quantizes
+only x, and the backward reads the cached transpose instead of transposing W's FP8 copy.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 
 from mtl.quant.scaled_matmul import scaled_mm
 from mtl.quant.scaling import E4M3, amax, quantize, reduce_max, scale_from_amax
+from mtl.quant.weight_cache import QuantizedWeight
 
 
 @dataclass
@@ -37,6 +42,7 @@ class GemmPlan:
     scale_x: torch.Tensor | None = None  # per-tensor: the forward scales
     scale_w: torch.Tensor | None = None
     release: Callable[[], None] | None = None  # called by the backward: the recompute state is done
+    weight: QuantizedWeight | None = None  # the cached FP8 weight (None: quantized here, per call)
 
 
 def _rowwise(t: torch.Tensor, dtype: torch.dtype, group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,20 +51,39 @@ def _rowwise(t: torch.Tensor, dtype: torch.dtype, group) -> tuple[torch.Tensor, 
     return quantize(t, scale, dtype), scale
 
 
+def _k_group(plan: GemmPlan):
+    """The group the forward contraction (K) is split over: TP for a row-parallel layer."""
+    return plan.tp_group if plan.k_split else None
+
+
+def _n_group(plan: GemmPlan):
+    """The group the input-gradient contraction (N) is split over: TP for a column-parallel layer."""
+    return None if plan.k_split else plan.tp_group
+
+
+def quantize_weight(weight: torch.Tensor, plan: GemmPlan, scale_w: torch.Tensor | None) -> QuantizedWeight:
+    """Both FP8 operands of W exactly as the uncached GEMMs below build them (the weight
+    cache's refresh): per tensor with ``scale_w``, or row-wise along each GEMM's contraction."""
+    if plan.rowwise:
+        return QuantizedWeight(_rowwise(weight, E4M3, _k_group(plan)), _rowwise(weight.t(), E4M3, _n_group(plan)))
+    wq = quantize(weight, scale_w, E4M3)
+    return QuantizedWeight((wq, scale_w), (wq.t().contiguous(), scale_w))
+
+
 class Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, plan: GemmPlan, out_dtype: torch.dtype):
         """x [M, K], weight [N, K] -> [M, N] in out_dtype."""
         ctx.plan, ctx.x_dtype, ctx.weight_dtype = plan, x.dtype, weight.dtype
+        cached = plan.weight
         if plan.rowwise:
-            group = plan.tp_group if plan.k_split else None
-            xq, sx = _rowwise(x, E4M3, group)
-            wq, sw = _rowwise(weight, E4M3, group)
+            xq, sx = _rowwise(x, E4M3, _k_group(plan))
+            wq, sw = cached.forward if cached is not None else _rowwise(weight, E4M3, _k_group(plan))
             ctx.save_for_backward(x, weight)
         else:
-            xq, wq = quantize(x, plan.scale_x, E4M3), quantize(weight, plan.scale_w, E4M3)
-            sx, sw = plan.scale_x, plan.scale_w
-            ctx.save_for_backward(xq, wq)
+            xq, sx = quantize(x, plan.scale_x, E4M3), plan.scale_x
+            wq, sw = cached.forward if cached is not None else (quantize(weight, plan.scale_w, E4M3), plan.scale_w)
+            ctx.save_for_backward(xq, wq)  # a cached wq costs nothing more here: the cache holds it
         return scaled_mm(xq, sx, wq, sw, out_dtype)
 
     @staticmethod
@@ -68,12 +93,12 @@ class Fp8Linear(torch.autograd.Function):
         if plan.release is not None:  # after the recompute, which takes the scales it needs
             plan.release()
         dy = dy.contiguous()
+        cached = plan.weight  # its backward operand: Wᵀ in FP8, built with the forward's
         if plan.rowwise:
             x, weight = saved
-            n_group = None if plan.k_split else plan.tp_group  # column-parallel: N is split
             # dx [M, K] = dy [M, N] @ W [N, K]: contraction over N
-            dyq, s_dy = _rowwise(dy, plan.grad_dtype, n_group)
-            wtq, s_wt = _rowwise(weight.t(), E4M3, n_group)  # Wᵀ [K, N]
+            dyq, s_dy = _rowwise(dy, plan.grad_dtype, _n_group(plan))
+            wtq, s_wt = cached.backward if cached is not None else _rowwise(weight.t(), E4M3, _n_group(plan))
             dx = scaled_mm(dyq, s_dy, wtq, s_wt, ctx.x_dtype)
             # dW [N, K] = dyᵀ [N, M] @ x [M, K]: contraction over the tokens, whole on every rank
             dytq, s_dyt = _rowwise(dy.t(), plan.grad_dtype, None)
@@ -83,6 +108,7 @@ class Fp8Linear(torch.autograd.Function):
         xq, wq = saved
         s_dy = plan.grad_scale(dy)
         dyq = quantize(dy, s_dy, plan.grad_dtype)
-        dx = scaled_mm(dyq, s_dy, wq.t().contiguous(), plan.scale_w, ctx.x_dtype)
+        wtq, s_wt = cached.backward if cached is not None else (wq.t().contiguous(), plan.scale_w)
+        dx = scaled_mm(dyq, s_dy, wtq, s_wt, ctx.x_dtype)
         dw = scaled_mm(dyq.t().contiguous(), s_dy, xq.t().contiguous(), plan.scale_x, ctx.weight_dtype)
         return dx, dw, None, None
