@@ -130,3 +130,64 @@ def test_resolve_checks_the_recipe_against_the_backend():
         resolved(backend="fp8", fp8="blockwise")
     with pytest.raises(ConfigError, match="train.fp8 = 'e5m2' is not one of"):
         resolved(backend="fp8", fp8="e5m2")
+
+
+def delayed_run(layer, micro_batches, checkpointed: bool, fn=None):
+    """Forward every micro-batch, then their backwards in order (as a pipeline schedule does),
+    optionally under activation checkpointing (the backward recomputes each forward)."""
+    from torch.utils.checkpoint import checkpoint
+
+    fn = layer if fn is None else fn
+    layer.weight.grad = None
+    outs = []
+    for x in micro_batches:
+        x = x.clone().requires_grad_()
+        outs.append((x, checkpoint(fn, x, use_reentrant=False) if checkpointed else fn(x)))
+    for scale, (x, y) in enumerate(outs, start=1):
+        (y * scale).sum().backward()
+    return [x.grad for x, _ in outs], layer.weight.grad.clone(), layer.fp8_amax_history.detach().clone()
+
+
+def delayed_layer():
+    settings = Fp8Settings("delayed", "hybrid", amax_history_len=4, amax_compute_algo="max", margin=0)
+    torch.manual_seed(0)
+    return Fp8ColumnParallelLinear(16, 16, fp8=settings, bias=False)
+
+
+def test_delayed_recompute_reuses_the_forward_scales():
+    """A recomputed forward uses its original forward's scales (the history has moved since)
+    and records nothing: checkpointed equals plain, bit for bit, and nothing stays pending."""
+    from mtl.quant import delayed
+
+    torch.manual_seed(1)
+    steps = [[torch.randn(4, 2, 16) * s for s in (1.0, 5.0, 0.2)] for _ in range(2)]
+    results = {}
+    for checkpointed in (False, True):
+        layer = delayed_layer()
+        results[checkpointed] = [delayed_run(layer, mbs, checkpointed) for mbs in steps]
+        assert not delayed._pending.get(int(layer.fp8_key))
+    for plain, recomputed in zip(results[False], results[True]):
+        for a, b in zip(plain[0], recomputed[0]):
+            assert torch.equal(a, b)
+        assert torch.equal(plain[1], recomputed[1]) and torch.equal(plain[2], recomputed[2])
+
+
+def test_delayed_compiles_once():
+    """Under torch.compile (fullgraph: no graph break) with activation checkpointing: one
+    compilation for every call, the same history as eager, gradients within rounding."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(1)
+    steps = [[torch.randn(4, 2, 16) * s for s in (1.0, 5.0, 0.2)] for _ in range(3)]
+    eager_layer, compiled_layer = delayed_layer(), delayed_layer()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(compiled_layer, fullgraph=True)
+    for mbs in steps:
+        eager = delayed_run(eager_layer, mbs, checkpointed=True)
+        got = delayed_run(compiled_layer, mbs, checkpointed=True, fn=compiled)
+        assert torch.equal(eager[2], got[2])  # the amax history
+        torch.testing.assert_close(got[1], eager[1], rtol=1e-5, atol=1e-6)
+        for a, b in zip(eager[0], got[0]):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])

@@ -18,7 +18,8 @@ the data/context-parallel group, so every replica holds the same history. The sc
 call comes from the history (its max, or the most recent entry), or from the call's own amax
 while the history is still empty (the first call); the call's amax then enters the history.
 A forward recomputed for activation checkpointing reuses the scales its original forward used
-(kept first in, first out until that micro-batch's backward) and records nothing.
+(kept first in, first out until that micro-batch's backward) and records nothing; the ops of
+``delayed.py`` decide this at run time, so the recipe compiles (one graph, no recompiles).
 
 Current and row-wise scaling keep the weight's FP8 operands in a ``WeightCache``
 (``weight_cache.py``): quantized on the first call after an optimizer step (or a load), reused
@@ -28,31 +29,25 @@ history, which moves with every call, so the FP8 weight differs between micro-ba
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 from torch import nn
 
 from mtl.core.errors import ConfigError
 from mtl.core.registrations import Fp8Settings
 from mtl.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from mtl.quant import delayed
+from mtl.quant.delayed import GRAD_OUTPUT, INPUT, WEIGHT
 from mtl.quant.linear_function import Fp8Linear, GemmPlan, quantize_weight
 from mtl.quant.scaling import E4M3, amax, formats, reduce_max, scale_from_amax
 from mtl.quant.weight_cache import QuantizedWeight, WeightCache, caching_enabled
 
 RECIPES = ("current", "delayed", "rowwise")
-INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a plain linear would return here: autocast's when it is on, else x's."""
     device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-
-
-def in_backward() -> bool:
-    """True while autograd runs a backward pass (where activation checkpointing recomputes)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class Fp8Gemm:
@@ -71,8 +66,7 @@ class Fp8Gemm:
         self.history_groups = (self.tp_group, dp_group)
         if fp8.recipe == "delayed":
             self.fp8_amax_history = nn.Parameter(torch.zeros(3, fp8.amax_history_len), requires_grad=False)
-            self._recompute_scales: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
-            self._calls = 0
+            self.fp8_key = delayed.new_layer_key()  # names this layer's pending scales (delayed.py)
         cacheable = fp8.recipe in ("current", "rowwise") and caching_enabled()
         self.weight_cache = WeightCache() if cacheable else None
         if self.weight_cache is not None:  # a loaded weight is a new weight
@@ -93,16 +87,6 @@ class Fp8Gemm:
 
     def _current_scale(self, role: int, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return scale_from_amax(reduce_max(amax(tensor), *self._groups(role)), dtype)
-
-    def _delayed_scale(self, role: int, tensor: torch.Tensor, dtype: torch.dtype, record: bool) -> torch.Tensor:
-        current = reduce_max(amax(tensor), *self._groups(role))
-        history = self.fp8_amax_history.data[role]  # [L], most recent first
-        past = (history.max() if self.fp8.amax_compute_algo == "max" else history[0]).float().clone()
-        chosen = torch.where(past > 0, past, current)  # an empty history: this call's own amax
-        if record:
-            history.copy_(torch.roll(history, 1))
-            history[0] = current
-        return scale_from_amax(chosen, dtype, self.fp8.margin)
 
     def _plan(self, x: torch.Tensor, weight: torch.Tensor) -> GemmPlan:
         recipe = self.fp8.recipe
@@ -132,17 +116,22 @@ class Fp8Gemm:
         return self.weight_cache.get(weight, build)
 
     def _plan_delayed(self, plan: GemmPlan, x: torch.Tensor, weight: torch.Tensor) -> None:
-        plan.grad_scale = lambda dy: self._delayed_scale(GRAD_OUTPUT, dy, self.grad_dtype, record=True)
-        if in_backward() and self._recompute_scales:  # activation recompute: the original forward's scales
-            _, (plan.scale_x, plan.scale_w) = self._recompute_scales.popitem(last=False)
-            return
-        record = self.training and torch.is_grad_enabled() and not in_backward()
-        plan.scale_x = self._delayed_scale(INPUT, x, E4M3, record)
-        plan.scale_w = self._delayed_scale(WEIGHT, weight, E4M3, record)
-        if record:
-            key, self._calls = self._calls, self._calls + 1
-            self._recompute_scales[key] = (plan.scale_x, plan.scale_w)
-            plan.release = lambda: self._recompute_scales.pop(key, None)
+        """The scales from the amax history, through the ops of ``delayed.py`` (which tell a
+        recompute from a forward at run time, so this compiles as one graph)."""
+        settings = self.fp8
+        use_max, margin = settings.amax_compute_algo == "max", settings.margin
+        history, key = self.fp8_amax_history, self.fp8_key
+        record = self.training and torch.is_grad_enabled()  # and not a recompute: the op knows
+        amax_x = reduce_max(amax(x), *self._groups(INPUT))
+        amax_w = reduce_max(amax(weight), *self._groups(WEIGHT))
+        plan.scale_x, plan.scale_w, token = delayed.forward_scales(history, amax_x, amax_w, key, record, use_max,
+                                                                   margin)
+
+        def grad_scale(dy: torch.Tensor) -> torch.Tensor:
+            amax_dy = reduce_max(amax(dy), *self._groups(GRAD_OUTPUT))
+            return delayed.grad_scale(history, amax_dy, key, token, use_max, margin, self.grad_dtype)
+
+        plan.grad_scale = grad_scale
 
     # Compiles with the layer (``train.compile``): the GEMM itself is the ``mtl::fp8_gemm``
     # op, which inductor keeps whole. When inductor lowered ``torch._scaled_mm`` itself, the FP8

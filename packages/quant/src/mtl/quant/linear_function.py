@@ -41,7 +41,6 @@ class GemmPlan:
     grad_scale: Callable[[torch.Tensor], torch.Tensor] | None = None  # per-tensor: dy -> scale
     scale_x: torch.Tensor | None = None  # per-tensor: the forward scales
     scale_w: torch.Tensor | None = None
-    release: Callable[[], None] | None = None  # called by the backward: the recompute state is done
     weight: QuantizedWeight | None = None  # the cached FP8 weight (None: quantized here, per call)
 
 
@@ -90,8 +89,6 @@ class Fp8Linear(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         plan = ctx.plan
         saved = ctx.saved_tensors  # under activation checkpointing, this is where the forward is recomputed
-        if plan.release is not None:  # after the recompute, which takes the scales it needs
-            plan.release()
         dy = dy.contiguous()
         cached = plan.weight  # its backward operand: Wᵀ in FP8, built with the forward's
         if plan.rowwise:
