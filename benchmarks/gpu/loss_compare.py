@@ -1,8 +1,9 @@
 """Loss curves on real tokens: train.compile on and off, and the precision layout (bf16
 weights, fp32 main weights and main_grad) against the old one (fp32 weights under bf16
-autocast), same model, data and seed (issue 11).
+autocast), same model, data and seed (issue 11); with ``--runs`` also the fp8 and te backends
+(issue 7).
 
-    python3 benchmarks/gpu/loss_compare.py [--iters 200] [--global-batch 8] [--out losses.md]
+    python3 benchmarks/gpu/loss_compare.py [--iters 200] [--global-batch 8] [--out losses.md] [--runs ...]
 
 The tokens are the project's generated English-like corpus (``mtl.data.demo_corpus``),
 byte-tokenized by ``mtl preprocess``'s pipeline. The model is the reference model
@@ -20,10 +21,15 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-RUNS = {
-    "compile, bf16 weights + fp32 main": ["train.compile=true"],
-    "eager, bf16 weights + fp32 main": ["train.compile=false"],
-    "compile, fp32 weights under autocast": ["train.compile=true", "train.params_dtype=fp32"],
+RUNS = {  # --runs NAME ...: the first chosen run is the one the others are compared with
+    "compile": ("compile, bf16 weights + fp32 main", ["train.compile=true"]),
+    "eager": ("eager, bf16 weights + fp32 main", ["train.compile=false"]),
+    "autocast": ("compile, fp32 weights under autocast", ["train.compile=true", "train.params_dtype=fp32"]),
+    # issue 7: the backends (mtl-quant must be installed for fp8, mtl-te and TE for te)
+    "fp8-current": ("fp8 current scaling, compiled", ["model.backend='fp8'", "train.fp8='current'", "train.compile=true"]),
+    "fp8-rowwise": ("fp8 row-wise, compiled", ["model.backend='fp8'", "train.fp8='rowwise'", "train.compile=true"]),
+    "te": ("te bf16", ["model.backend='te'", "train.compile=false"]),
+    "te-fp8": ("te FP8 delayed", ["model.backend='te'", "train.fp8='delayed'", "train.compile=false"]),
 }
 
 
@@ -63,11 +69,19 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=25)
     parser.add_argument("--out", default=None)
     parser.add_argument("--set", dest="sets", action="append", default=[], help="extra override for every run")
+    parser.add_argument("--runs", nargs="+", default=["compile", "eager", "autocast"], choices=list(RUNS),
+                        help="which runs, the first the reference (default: compile eager autocast)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="loss_compare_") as tmp:
         work = Path(tmp)
         prefix = prepare_tokens(work, args.docs)
-        curves = {name: run(name, [*overrides, *args.sets], prefix, args, work) for name, overrides in RUNS.items()}
+        curves = {}
+        for key in args.runs:
+            name, overrides = RUNS[key]
+            try:
+                curves[name] = run(name, [*overrides, *args.sets], prefix, args, work)
+            except Exception as exc:  # report it; compare the runs that finished
+                print(f"{name}: failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
     steps = [1, *range(args.every, args.iters + 1, args.every)]
     names = list(curves)
     lines = ["| step | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]

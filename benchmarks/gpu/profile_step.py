@@ -39,17 +39,19 @@ def mtl_step(config_path: str | None, overrides: list[str]) -> tuple[Callable[[]
     from mtl.train.batches import MicroBatches
     from mtl.train.precision import LossScaler
     from mtl.train.setup import setup
-    from mtl.train.step import train_step
+    from mtl.train.step import queue_train_step
 
     run = setup(load_config(config_path, overrides))
     cfg, t = run.config, run.config.train
     scaler = LossScaler.for_config(t)
     batches = MicroBatches(run.datasets["train"], cfg, run.topology, run.device, 0)
+    micro = [batches.take(t.num_micro_batches)]
 
-    def step() -> None:
-        micro = batches.take(t.num_micro_batches)
-        train_step(cfg, run.topology, run.chunks, run.optimizer,
-                   [iter(micro) for _ in run.chunks], scaler, t.lr, run.device)
+    def step() -> None:  # as the loop: the next batches are taken before the host waits
+        pending = queue_train_step(cfg, run.topology, run.chunks, run.optimizer,
+                                   [iter(micro[0]) for _ in run.chunks], scaler, t.lr, run.device)
+        micro[0] = batches.take(t.num_micro_batches)
+        pending.result()
 
     return step, cfg
 

@@ -28,7 +28,7 @@ from mtl.train.precision import LossScaler
 from mtl.train.progress import ProgressDisplay
 from mtl.train.setup import Run, setup
 from mtl.train.signals import StopRequest
-from mtl.train.step import eval_step, train_step
+from mtl.train.step import eval_step, queue_train_step
 from mtl.train.validate import check_training_settings
 
 log = get_logger(__name__)
@@ -177,14 +177,18 @@ def train(config: RunConfig, progress: bool = True) -> TrainResult:
     last_saved, last_save_time = iteration, time.monotonic()
     try:
         with StopRequest(announce=rank0) as stop:
+            micro = train_batches.take(t.num_micro_batches) if iteration < t.iters else []
             while iteration < t.iters:
                 began = time.perf_counter()
                 lr = learning_rate(t, iteration)
-                micro = train_batches.take(t.num_micro_batches)
                 watch.reset()
                 try:
-                    step = train_step(cfg, run.topology, run.chunks, run.optimizer,
-                                      _chunk_iterators(micro, len(run.chunks)), scaler, lr, run.device)
+                    pending = queue_train_step(cfg, run.topology, run.chunks, run.optimizer,
+                                               _chunk_iterators(micro, len(run.chunks)), scaler, lr, run.device)
+                    # The next step's batches are read and copied while the device still
+                    # works on this one (their copies queue behind it); then the host waits.
+                    micro = train_batches.take(t.num_micro_batches) if iteration + 1 < t.iters else []
+                    step = pending.result()
                 except torch.cuda.OutOfMemoryError as exc:
                     raise out_of_memory_error(cfg, exc, iteration + 1, run.topology.rank) from exc
                 if run.device.type == "cuda":

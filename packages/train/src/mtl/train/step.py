@@ -84,20 +84,39 @@ def _run_schedule(config, topology, chunks, batches_per_chunk, forward_step, for
     )
 
 
-def _mean_loss(loss_dicts: list[dict], topology: Topology, device: torch.device) -> float:
-    """Average the micro-batch losses, then over data- and context-parallel ranks."""
+def _mean_loss(loss_dicts: list[dict], topology: Topology, device: torch.device) -> torch.Tensor | None:
+    """The micro-batch losses averaged, then over data- and context-parallel ranks (a device
+    scalar; None on a stage without the loss)."""
     if not topology.is_last_stage or not loss_dicts:
-        return float("nan")
+        return None
     loss = torch.stack([d["loss"].float() for d in loss_dicts]).mean().to(device)
     group = topology.group("dp_cp")
     if group is not None:
         dist.all_reduce(loss, group=group)
         loss /= dist.get_world_size(group)
-    return loss.item()
+    return loss
 
 
-def train_step(config: RunConfig, topology: Topology, chunks: list, optimizer, batches_per_chunk,
-               scaler: LossScaler, lr: float, device: torch.device) -> StepResult:
+@dataclass
+class PendingStep:
+    """A training step whose work is queued on the device. ``result()`` reads the loss and
+    gradient norm (the host waits for the step there) and records the step with the loss
+    scaler; call it before the next step, whose loss scale it may change."""
+
+    loss: torch.Tensor | None
+    grad_norm: torch.Tensor
+    scaler: LossScaler
+
+    def result(self) -> StepResult:
+        loss = self.loss.item() if self.loss is not None else float("nan")
+        grad_norm = self.grad_norm.item()
+        return StepResult(loss=loss, grad_norm=grad_norm, skipped=self.scaler.update(not math.isfinite(grad_norm)))
+
+
+def queue_train_step(config: RunConfig, topology: Topology, chunks: list, optimizer, batches_per_chunk,
+                     scaler: LossScaler, lr: float, device: torch.device) -> PendingStep:
+    """Queue one iteration (forward/backward of every micro-batch, gradient sync, clipping,
+    the update) without reading anything on the host; ``train_step`` also waits for it."""
     from mtl.parallel.pipeline import allreduce_shared_embedding_grads
 
     for chunk in chunks:
@@ -119,12 +138,15 @@ def train_step(config: RunConfig, topology: Topology, chunks: list, optimizer, b
     for group in optimizer.param_groups:
         group["lr"] = lr
     # No host read before the update is queued: clipping and the skip of a non-finite step
-    # happen on the device (clip_and_step); the norm and loss are read after.
+    # happen on the device (clip_and_step); PendingStep.result() reads the norm and loss.
     grad_norm, _ = optimizer.clip_and_step(max_norm)
-    loss = _mean_loss(loss_dicts, topology, device)
-    grad_norm = grad_norm.item()
-    skipped = scaler.update(not math.isfinite(grad_norm))
-    return StepResult(loss=loss, grad_norm=grad_norm, skipped=skipped)
+    return PendingStep(_mean_loss(loss_dicts, topology, device), grad_norm, scaler)
+
+
+def train_step(config: RunConfig, topology: Topology, chunks: list, optimizer, batches_per_chunk,
+               scaler: LossScaler, lr: float, device: torch.device) -> StepResult:
+    """One iteration, waited for: ``queue_train_step(...).result()``."""
+    return queue_train_step(config, topology, chunks, optimizer, batches_per_chunk, scaler, lr, device).result()
 
 
 @torch.no_grad()
@@ -137,4 +159,5 @@ def eval_step(config: RunConfig, topology: Topology, chunks: list, batches_per_c
     finally:
         for chunk in chunks:
             chunk.train()
-    return _mean_loss(loss_dicts, topology, device)
+    loss = _mean_loss(loss_dicts, topology, device)
+    return loss.item() if loss is not None else float("nan")
