@@ -19,7 +19,9 @@ table goes on:
   in the DataParallel hook instead of in the GEMM, as preset ``compile-nowgradfusion`` does;
   ``bench.inductor.NAME=VALUE`` sets ``torch._inductor.config.NAME`` (a Python literal), e.g.
   ``bench.inductor.coordinate_descent_tuning=True``; ``bench.compile_mode=MODE`` compiles the
-  regions with ``torch.compile(mode=MODE)``, e.g. ``reduce-overhead`` for CUDA graphs).
+  regions with ``torch.compile(mode=MODE)``, e.g. ``reduce-overhead`` for CUDA graphs;
+  ``bench.env.NAME=VALUE`` sets an environment variable in the row's process, e.g.
+  ``bench.env.MTL_TRITON_RMSNORM=0``).
 
 Every system runs the same resolved config (``--config``, default the reference model
 ``llama_reference.toml``, plus ``--set``): same shapes, micro-batch, global batch. s/iter is
@@ -342,6 +344,8 @@ def _bench_keys(sets: list[str]) -> list[str]:
             if not hasattr(inductor_config, name):
                 raise SystemExit(f"{key!r}: torch._inductor.config has no {name!r}")
             setattr(inductor_config, name, ast.literal_eval(value.strip()))
+        elif key.strip().startswith("bench.env."):  # e.g. bench.env.MTL_TRITON_RMSNORM=0
+            os.environ[key.strip()[len("bench.env."):]] = value.strip().strip("'\"")
         elif key.strip() == "bench.compile_mode":
             import mtl.train.compile as compile_module
 
@@ -358,7 +362,7 @@ def _bench_keys(sets: list[str]) -> list[str]:
             setup.compile_regions = compile_regions
         elif key.strip().startswith("bench."):
             raise SystemExit(f"unknown bench key {key!r} (have bench.fused_loss, bench.wgrad_fusion, "
-                             "bench.inductor.<torch._inductor.config name>, bench.compile_mode)")
+                             "bench.inductor.<torch._inductor.config name>, bench.compile_mode, bench.env.<NAME>)")
         else:
             rest.append(item)
     return rest

@@ -49,10 +49,11 @@ class MicroBatches:
             batch = {k: split_for_context_parallel(v, 1, self.topology) for k, v in batch.items()}
         # From pageable memory a copy to the GPU first waits for everything queued before it
         # (CUDA stages it); from pinned memory it is queued like a kernel, so a batch taken
-        # while the device still works on the previous step does not stall it.
+        # while the device still works on the previous step does not stall it. (contiguous:
+        # pinning keeps an expanded tensor's overlapping strides, which the copy cannot write.)
         pin = self.device.type == "cuda"
         return {
-            k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True)
+            k: (v.contiguous().pin_memory() if pin else v).to(self.device, non_blocking=True)
             .to(torch.float32 if k == "loss_mask" else torch.int64)
             for k, v in batch.items()
         }
