@@ -3,8 +3,7 @@
 Under sequence parallelism the norm sees ``[s/tp, b, h]`` with a weight replicated over TP;
 pass the topology and ``sequence_parallel=True`` and the weight (and bias) gradients are
 summed over the TP group in backward, so they are complete on every rank. The weight (gain)
-starts at one and the bias at zero (``init_kind``, read by initialisation). On CUDA, RMSNorm
-runs Triton kernels (``rms_norm_kernel``); elsewhere ``F.rms_norm`` in fp32.
+starts at one and the bias at zero (``init_kind``, read by initialisation).
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtl.core.model_protocol import tag_init
-from mtl.parallel.backend_local.rms_norm_kernel import can_use_triton_rms_norm, triton_rms_norm
 from mtl.parallel.tensor_parallel.mappings import copy_to_tensor_parallel
 
 
@@ -58,12 +56,6 @@ class RMSNorm(_Norm):
         super().__init__(hidden_size, eps, topology, sequence_parallel, with_bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        if self._sp_group is not None:
-            weight = copy_to_tensor_parallel(weight, self._sp_group)
-        if can_use_triton_rms_norm(x, weight):
-            # CUDA: Triton kernels, same fp32 math; the backward writes dx and the weight
-            # gradient's partial sums in one pass over (x, dy)
-            return triton_rms_norm(x, weight, self.eps)
-        # CPU (or no triton, or an unsupported dtype/size): the fp32 F.rms_norm formula
-        return F.rms_norm(x.float(), (self.hidden_size,), weight.float(), self.eps).to(x.dtype)
+        weight, _ = self._params()
+        # F.rms_norm is one fused kernel on CUDA (several elementwise passes otherwise)
+        return F.rms_norm(x.float(), (self.hidden_size,), weight, self.eps).to(x.dtype)
