@@ -21,7 +21,7 @@ table goes on:
   ``bench.inductor.coordinate_descent_tuning=True``; ``bench.compile_mode=MODE`` compiles the
   regions with ``torch.compile(mode=MODE)``, e.g. ``reduce-overhead`` for CUDA graphs;
   ``bench.env.NAME=VALUE`` sets an environment variable in the row's process, e.g.
-  ``bench.env.MTL_TRITON_RMSNORM=0``).
+  ``bench.env.MTL_FP8_WEIGHT_CACHE=0``).
 
 Every system runs the same resolved config (``--config``, default the reference model
 ``llama_reference.toml``, plus ``--set``): same shapes, micro-batch, global batch. s/iter is
@@ -344,7 +344,7 @@ def _bench_keys(sets: list[str]) -> list[str]:
             if not hasattr(inductor_config, name):
                 raise SystemExit(f"{key!r}: torch._inductor.config has no {name!r}")
             setattr(inductor_config, name, ast.literal_eval(value.strip()))
-        elif key.strip().startswith("bench.env."):  # e.g. bench.env.MTL_TRITON_RMSNORM=0
+        elif key.strip().startswith("bench.env."):  # e.g. bench.env.MTL_FP8_WEIGHT_CACHE=0
             os.environ[key.strip()[len("bench.env."):]] = value.strip().strip("'\"")
         elif key.strip() == "bench.compile_mode":
             import mtl.train.compile as compile_module
