@@ -34,5 +34,21 @@ def train(config, overrides, fresh, dry_run):
     from mtl.train.loop import train as run_training
 
     result = run_training(cfg)
+    _close_process_group()
     if result.stopped_by != "iters":
         click.echo(f"stopped at iteration {result.final_iteration} ({result.stopped_by})")
+
+
+def _close_process_group() -> None:
+    """Take the process group down once the run has finished, on every rank.
+
+    Left to the interpreter's exit, the group's threads were torn down while still running, and
+    a rank could abort after a run that succeeded ("terminate called without an active
+    exception", SIGABRT, and torchrun's ChildFailedError). The barrier first: no rank closes its
+    connections while another still finishes the run's last collective. Only after a
+    finished run: after an error, a peer may never reach the barrier."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
