@@ -377,7 +377,7 @@ def worker_mtl(spec: dict) -> dict:
         from profile_step import mtl_step
 
         step, _ = mtl_step(spec["config"], spec["sets"])
-        return _profile(step, spec, f"{spec['name']} (mtl.train.step.train_step)")
+        return _profile(step, spec, f"{spec['name']} (mtl.train.step.queue_train_step, as the loop)")
     with tempfile.TemporaryDirectory(prefix="bench_mtl_") as logs:
         cfg = load_config(spec["config"], [
             *spec["sets"], f"train.iters={spec['iters']}", f"logging.dir='{logs}'", "logging.interval=1",

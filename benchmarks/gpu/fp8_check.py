@@ -19,6 +19,7 @@ import torch
 
 from mtl.core.registrations import Fp8Settings
 from mtl.quant.factories import column_linear
+from mtl.quant.weight_cache import invalidate_weight_caches
 from mtl.train.testing import run_tiny
 
 
@@ -54,6 +55,7 @@ def compiled_vs_eager(tokens: int, inp: int, out: int, recipe: str) -> str:
     results = []
     torch._dynamo.reset()
     for fn in (layer, torch.compile(layer, fullgraph=True)):
+        invalidate_weight_caches()  # each run quantizes W itself (compiled: inside the graph)
         layer.weight.grad = None
         xi = x.clone().requires_grad_(True)
         y = fn(xi)

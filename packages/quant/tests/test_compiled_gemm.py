@@ -7,6 +7,7 @@ import torch
 
 from mtl.core.registrations import Fp8Settings
 from mtl.quant.layers import Fp8ColumnParallelLinear
+from mtl.quant.weight_cache import invalidate_weight_caches
 
 
 def run(layer, x, dy, compiled: bool):
@@ -27,8 +28,13 @@ def test_compiled_gemms_equal_eager(recipe):
     dy = torch.randn(8, 2, 48, dtype=torch.bfloat16)
     torch._dynamo.reset()
     eager = run(layer, x, dy, compiled=False)
-    compiled = run(layer, x, dy, compiled=True)  # fullgraph: a graph break would raise
-    for name, a, b in zip(("y", "dx", "dW"), eager, compiled):
-        assert b is not None, name
-        torch.testing.assert_close(b.float(), a.float(), rtol=1e-2, atol=1e-2 * a.float().abs().max().item(),
-                                   msg=name)
+    # The eager call filled the weight cache: without this the compiled graph would only read
+    # it, and W's amax, quantization and transpose would never run compiled.
+    invalidate_weight_caches()
+    refreshed = run(layer, x, dy, compiled=True)  # fullgraph: a graph break would raise
+    reused = run(layer, x, dy, compiled=True)  # the cache the compiled refresh built
+    for compiled in (refreshed, reused):
+        for name, a, b in zip(("y", "dx", "dW"), eager, compiled):
+            assert b is not None, name
+            torch.testing.assert_close(b.float(), a.float(), rtol=1e-2, atol=1e-2 * a.float().abs().max().item(),
+                                       msg=name)

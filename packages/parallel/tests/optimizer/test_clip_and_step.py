@@ -93,3 +93,31 @@ def test_reads_nothing_on_the_host(monkeypatch):
     opt.clip_and_step(0.1)
     monkeypatch.undo()
     assert opt.common_state()["step"] == 1
+
+
+def test_skip_flag_skips_a_finite_step():
+    """The trainer's other reason to skip (a non-finite loss with finite gradients)."""
+    model, grads = model_and_grads()
+    opt = build_optimizer(model, Topology.build(), use_distributed_optimizer=False, **HP)
+    set_grads(model, grads)
+    weights = [p.detach().clone() for p in model.parameters()]
+    norm, found_inf = opt.clip_and_step(1.0, skip=torch.tensor(1.0))
+    assert torch.isfinite(norm) and found_inf.item() == 1.0
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert opt.common_state()["step"] == 0
+
+
+def test_bad_max_norm_and_a_loaded_state_keep_the_contract():
+    model, grads = model_and_grads()
+    opt = build_optimizer(model, Topology.build(), use_distributed_optimizer=False, **HP)
+    set_grads(model, grads)
+    with pytest.raises(Exception, match="max_norm = 0"):
+        opt.clip_and_step(0.0)
+    opt.clip_and_step(1.0)
+    state = opt.state_dict()
+    for group in state["adamw"]["param_groups"]:  # as saved by an optimizer that was not fused
+        group["fused"] = None
+    opt.load_state_dict(state)
+    set_grads(model, grads)
+    opt.clip_and_step(1.0)  # grad_scale/found_inf need the fused kernel: still chosen after the load
+    assert opt.common_state()["step"] == 2

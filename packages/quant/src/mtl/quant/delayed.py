@@ -28,6 +28,7 @@ arrive already reduced over TP and data/context parallelism; a recompute reduces
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -42,9 +43,13 @@ _layer_keys = itertools.count()
 NO_TOKEN = -1  # a forward that recorded nothing (evaluation, no_grad, a recompute)
 
 
-def new_layer_key() -> torch.Tensor:
-    """A layer's key for the pending scales (a plain CPU tensor: ``module.to`` leaves it)."""
-    return torch.tensor(next(_layer_keys), dtype=torch.int64)
+def new_layer_key(layer: object) -> torch.Tensor:
+    """A layer's key for the pending scales (a plain CPU tensor: ``module.to`` leaves it). The
+    layer's pending scales go with it: a forward that never ran its backward (an exception, a
+    run stopped mid-step) would otherwise keep them for the life of the process."""
+    key = next(_layer_keys)
+    weakref.finalize(layer, _pending.pop, key, None)
+    return torch.tensor(key, dtype=torch.int64)
 
 
 def in_backward() -> bool:

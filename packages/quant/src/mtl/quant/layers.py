@@ -3,7 +3,8 @@
 The TP communication (sequence-parallel all-gather and reduce-scatter, the all-reduce after
 a row layer) and the parameter layout are mtl.parallel's, unchanged: only ``local_linear``,
 the rank's GEMM between them, is replaced. Weights stay in their own dtype (fp32 or bf16
-master/compute weights); each call quantizes them. The bias is added in the compute dtype.
+master/compute weights); they are quantized on the first call after a change (the weight
+cache below; delayed scaling: every call). The bias is added in the compute dtype.
 
 Which amaxes are reduced over TP so that every rank's scale is one process's: the weight's
 always (TP splits it), the input's in a row layer (its features are split), the output
@@ -66,7 +67,7 @@ class Fp8Gemm:
         self.history_groups = (self.tp_group, dp_group)
         if fp8.recipe == "delayed":
             self.fp8_amax_history = nn.Parameter(torch.zeros(3, fp8.amax_history_len), requires_grad=False)
-            self.fp8_key = delayed.new_layer_key()  # names this layer's pending scales (delayed.py)
+            self.fp8_key = delayed.new_layer_key(self)  # names this layer's pending scales (delayed.py)
         cacheable = fp8.recipe in ("current", "rowwise") and caching_enabled()
         self.weight_cache = WeightCache() if cacheable else None
         if self.weight_cache is not None:  # a loaded weight is a new weight

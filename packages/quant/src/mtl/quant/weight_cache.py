@@ -12,9 +12,9 @@ through other tensors sharing the storage (the gradient buffer's flat ``param_da
 ``param.data``), which do not bump the parameter's version counter, and dynamo cannot branch
 on it without a graph break. Instead every cache is marked stale by
 
-- every torch optimizer step (``register_optimizer_step_post_hook``, process-wide): the
-  update and whatever follows it (main -> model copy, the distributed optimizer's all-gather)
-  happens before the next forward, which refreshes;
+- every torch optimizer step (``register_optimizer_step_pre_hook``, process-wide: the FP8
+  copies are freed before the update runs); the update and whatever follows it (main -> model
+  copy, the distributed optimizer's all-gather) happen before the next forward, which refreshes;
 - ``load_state_dict`` on the layer or a module holding it, and ``module.to(...)`` (the
   layer's hooks);
 - outside torch.compile, also a change of the weight's version counter or storage (an
@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 ENV_SWITCH = "MTL_FP8_WEIGHT_CACHE"
 
@@ -97,10 +97,12 @@ def invalidate_weight_caches() -> None:
         cache.invalidate()
 
 
-def _after_optimizer_step(optimizer, args, kwargs) -> None:
+def _before_optimizer_step(optimizer, args, kwargs) -> None:
     # The optimizer updates fp32 main copies or flat buffers, never recognisably "this weight":
     # all caches go stale (one extra refresh for a model another optimizer does not touch).
     invalidate_weight_caches()
 
 
-_STEP_HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
+# Before the step, not after: the refresh happens only in a forward, which comes after the
+# update either way, and the FP8 copies are not held through the optimizer's own memory peak.
+_STEP_HOOK = register_optimizer_step_pre_hook(_before_optimizer_step)

@@ -139,8 +139,20 @@ def queue_train_step(config: RunConfig, topology: Topology, chunks: list, optimi
         group["lr"] = lr
     # No host read before the update is queued: clipping and the skip of a non-finite step
     # happen on the device (clip_and_step); PendingStep.result() reads the norm and loss.
-    grad_norm, _ = optimizer.clip_and_step(max_norm)
-    return PendingStep(_mean_loss(loss_dicts, topology, device), grad_norm, scaler)
+    loss = _mean_loss(loss_dicts, topology, device)
+    grad_norm, _ = optimizer.clip_and_step(max_norm, skip=_loss_not_finite(loss, topology, device))
+    return PendingStep(loss, grad_norm, scaler)
+
+
+def _loss_not_finite(loss: torch.Tensor | None, topology: Topology, device: torch.device) -> torch.Tensor:
+    """1 on every rank where the step's loss is inf/NaN (a device scalar): such a step is
+    skipped even when its gradient norm is finite (an inf loss at a masked token). Only the
+    last pipeline stage has the loss; the other stages get its verdict over ``pp``."""
+    bad = (~torch.isfinite(loss)).float() if loss is not None else torch.zeros((), device=device)
+    group = topology.group("pp")
+    if group is not None:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+    return bad
 
 
 def train_step(config: RunConfig, topology: Topology, chunks: list, optimizer, batches_per_chunk,

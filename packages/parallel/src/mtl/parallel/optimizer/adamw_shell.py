@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mtl.core.errors import CheckpointError, ConfigError
+from mtl.core.errors import CheckpointError, ConfigError, ParallelError
 from mtl.parallel.optimizer.grad_norm import CLIP_EPS, clip_grad_norm, global_grad_norm
 from mtl.parallel.optimizer.param_groups import uses_weight_decay
 from mtl.parallel.optimizer.state_layout import MOMENTS, MomentPiece, ensure_adamw_state
@@ -72,7 +72,11 @@ class AdamWShell:
         no_decay = [e.piece for e in entries if not uses_weight_decay(e.name, e.source)]
         # The fused kernel (CUDA and CPU) takes the clip coefficient and the skip flag as device
         # tensors (``clip_and_step``); a rank with nothing to update has no kernel to give them to.
-        self.fused = bool(entries) and len({e.piece.device.type for e in entries}) == 1
+        device_types = sorted({e.piece.device.type for e in entries})
+        if len(device_types) > 1:
+            raise ParallelError(f"AdamW got parameters on several device types ({', '.join(device_types)}); "
+                                "move the whole model to one device before building the optimizer")
+        self.fused = bool(entries)
         self.inner = torch.optim.AdamW(
             [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=lr, betas=tuple(betas), eps=eps, fused=True if self.fused else None,
@@ -115,10 +119,11 @@ class AdamWShell:
         return clip_grad_norm(self.model_params, max_norm, self.topology, grads_are_dp_sharded=self.is_dp_sharded)
 
     @torch.no_grad()
-    def clip_and_step(self, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def clip_and_step(self, max_norm: float, skip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip the gradients to the global L2 norm ``max_norm`` (``inf``: no clipping) and
         take the step, without reading anything on the host: returns (norm, found_inf) as
-        device scalars.
+        device scalars. ``skip`` (a device scalar, 1 = skip; the same on every rank) skips the
+        update for another reason too (the trainer's: a non-finite loss).
 
         ``clip_grad_norm`` needs the norm on the host (``.item()``), and the host then waits
         for the whole backward before it can launch the update. Here the clip coefficient
@@ -126,8 +131,12 @@ class AdamWShell:
         max(1, norm / max_norm) as it is read), and a non-finite norm (``found_inf`` = 1) makes
         the kernel leave weights, moments and step count as they were, as torch's GradScaler
         skips a step."""
+        if not max_norm > 0:
+            raise ParallelError(f"clip_and_step max_norm = {max_norm!r} must be > 0 (train.clip_grad; inf: no clipping)")
         norm = global_grad_norm(self.model_params, self.topology, self.is_dp_sharded)
         found_inf = (~torch.isfinite(norm)).float()
+        if skip is not None:
+            found_inf = torch.maximum(found_inf, skip.to(found_inf.device, torch.float32))
         if self.fused:
             self.inner.grad_scale = (torch.clamp((norm + CLIP_EPS) / max_norm, min=1.0)
                                      if math.isfinite(max_norm) else None)
@@ -155,6 +164,8 @@ class AdamWShell:
                 "setting); resume through the sharded checkpoint, which reshards"
             )
         self.inner.load_state_dict(state_dict["adamw"])
+        for group in self.inner.param_groups:  # torch restores the saved "fused"; clip_and_step needs ours
+            group["fused"] = True if self.fused else None
 
     def state_pieces(self) -> list[MomentPiece]:
         """The live AdamW moments of every piece this rank updates (see ``state_layout``);

@@ -27,7 +27,7 @@ def _chunk_entries(chunks: list[nn.Module]) -> list[StateEntry]:
 
 
 class ReplicatedOptimizer(AdamWShell):
-    """torch AdamW (fused on CUDA) over every parameter of ``chunks`` (plain modules or
+    """torch AdamW (fused) over every parameter of ``chunks`` (plain modules or
     ``DataParallel`` wrappers), with the weight-decay groups of ``param_groups.py``."""
 
     def __init__(self, chunks: list[nn.Module], topology: Topology, *, lr: float,
