@@ -178,7 +178,10 @@ def train(config: RunConfig, progress: bool = True) -> TrainResult:
     try:
         with StopRequest(announce=rank0) as stop:
             micro = train_batches.take(t.num_micro_batches) if iteration < t.iters else []
+            data_error = None  # reading the next step's batches failed: raised when that step starts
             while iteration < t.iters:
+                if data_error is not None:
+                    raise data_error
                 began = time.perf_counter()
                 lr = learning_rate(t, iteration)
                 watch.reset()
@@ -187,7 +190,13 @@ def train(config: RunConfig, progress: bool = True) -> TrainResult:
                                                _chunk_iterators(micro, len(run.chunks)), scaler, lr, run.device)
                     # The next step's batches are read and copied while the device still
                     # works on this one (their copies queue behind it); then the host waits.
-                    micro = train_batches.take(t.num_micro_batches) if iteration + 1 < t.iters else []
+                    # A read error belongs to the next step: this one still logs and saves.
+                    try:
+                        micro = train_batches.take(t.num_micro_batches) if iteration + 1 < t.iters else []
+                    except torch.cuda.OutOfMemoryError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - re-raised unchanged before the next step
+                        data_error = exc
                     step = pending.result()
                 except torch.cuda.OutOfMemoryError as exc:
                     raise out_of_memory_error(cfg, exc, iteration + 1, run.topology.rank) from exc
