@@ -347,19 +347,13 @@ def _bench_keys(sets: list[str]) -> list[str]:
         elif key.strip().startswith("bench.env."):  # e.g. bench.env.MTL_FP8_WEIGHT_CACHE=0
             os.environ[key.strip()[len("bench.env."):]] = value.strip().strip("'\"")
         elif key.strip() == "bench.compile_mode":
-            import mtl.train.compile as compile_module
+            import functools
 
-            mode = value.strip().strip("'\"")
+            import torch
 
-            def compile_regions(chunks, _mode=mode):  # as mtl's, with torch.compile's mode
-                units = [u for chunk in chunks for u in compile_module.compile_units(chunk)]
-                for unit in units:
-                    unit.compile(fullgraph=False, dynamic=False, mode=_mode)
-                return len(units)
-
-            import mtl.train.setup as setup
-
-            setup.compile_regions = compile_regions
+            # mtl's compile_regions, each region compiled with this torch.compile mode
+            torch.nn.Module.compile = functools.partialmethod(torch.nn.Module.compile,
+                                                              mode=value.strip().strip("'\""))
         elif key.strip().startswith("bench."):
             raise SystemExit(f"unknown bench key {key!r} (have bench.fused_loss, bench.wgrad_fusion, "
                              "bench.inductor.<torch._inductor.config name>, bench.compile_mode, bench.env.<NAME>)")

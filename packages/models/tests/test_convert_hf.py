@@ -72,6 +72,15 @@ def save_hf(path, family: str, max_shard_size=None, **overrides):
     return model
 
 
+def reload_matches(directory, hf_model):
+    """transformers loads the export in ``directory``; its logits equal ``hf_model``'s exactly."""
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    ids = torch.randint(0, VOCAB, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, hf_model(ids).logits)
+    return reloaded
+
+
 def _randomize_norms(model):
     """HF initialises norms to exactly one, biases to zero and MoE routers (Qwen) to zero;
     perturb them so a swapped or dropped tensor changes the output and routing is decisive."""
@@ -128,11 +137,8 @@ def test_round_trip_is_bit_exact(tmp_path, backend, single, family):
     assert sorted(exported) == sorted(original)
     for name, tensor in original.items():
         assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    reloaded = reload_matches(tmp_path / "back", hf_model)
     assert type(reloaded) is type(hf_model) and reloaded.config.vocab_size == VOCAB
-    ids = torch.randint(0, VOCAB, (1, 9))
-    with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, hf_model(ids).logits)
 
 
 def test_default_export_architecture_follows_the_biases(tmp_path):
@@ -156,10 +162,7 @@ def test_sharded_checkpoints_both_ways(tmp_path):
     assert len(files) > 1
     index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
     assert sorted(set(index["weight_map"].values())) == sorted(files)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
-    ids = torch.randint(0, VOCAB, (1, 9))
-    with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, hf_model(ids).logits)
+    reload_matches(tmp_path / "back", hf_model)
     reader = SafetensorsReader(tmp_path / "back")
     for name, tensor in hf_model.state_dict().items():
         assert torch.equal(reader.get(name), tensor), name
@@ -266,10 +269,7 @@ def test_qwen2_moe_without_qkv_biases_round_trips(tmp_path, backend, single):
     assert not model.config.model.qkv_bias
     HFConverter().from_mtl(model.config.model, gather_global_state(model, single), tmp_path / "back")
     assert json.loads((tmp_path / "back" / "config.json").read_text())["qkv_bias"] is False
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
-    ids = torch.randint(0, VOCAB, (1, 9))
-    with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, hf_model(ids).logits)
+    reload_matches(tmp_path / "back", hf_model)
 
 
 def test_moe_exports_that_do_not_fit_are_refused(tmp_path):

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from mtl.parallel.optimizer import build_optimizer
+from mtl.parallel.optimizer.param_groups import uses_weight_decay
 from mtl.parallel.topology import Topology
 
 HP = dict(lr=0.05, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -30,9 +31,9 @@ def set_grads(model: nn.Module, grads) -> None:
 
 
 def reference_step(model: nn.Module, grads, max_norm: float) -> torch.optim.AdamW:
-    """The host path: torch's clip_grad_norm_, then torch's AdamW (decay on weights, as mtl's groups)."""
-    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and p.dim() > 1]
-    rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and p.dim() > 1)]
+    """The host path: torch's clip_grad_norm_, then torch's AdamW (with mtl's weight-decay groups)."""
+    decay = [p for n, p in model.named_parameters() if uses_weight_decay(n, p)]
+    rest = [p for n, p in model.named_parameters() if not uses_weight_decay(n, p)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": HP["weight_decay"]},
                              {"params": rest, "weight_decay": 0.0}],
                             lr=HP["lr"], betas=HP["betas"], eps=HP["eps"])

@@ -116,7 +116,7 @@ class PendingStep:
 def queue_train_step(config: RunConfig, topology: Topology, chunks: list, optimizer, batches_per_chunk,
                      scaler: LossScaler, lr: float, device: torch.device) -> PendingStep:
     """Queue one iteration (forward/backward of every micro-batch, gradient sync, clipping,
-    the update) without reading anything on the host; ``train_step`` also waits for it."""
+    the update) without reading anything on the host; ``result()`` of what it returns waits."""
     from mtl.parallel.pipeline import allreduce_shared_embedding_grads
 
     for chunk in chunks:
@@ -153,12 +153,6 @@ def _loss_not_finite(loss: torch.Tensor | None, topology: Topology, device: torc
     if group is not None:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
     return bad
-
-
-def train_step(config: RunConfig, topology: Topology, chunks: list, optimizer, batches_per_chunk,
-               scaler: LossScaler, lr: float, device: torch.device) -> StepResult:
-    """One iteration, waited for: ``queue_train_step(...).result()``."""
-    return queue_train_step(config, topology, chunks, optimizer, batches_per_chunk, scaler, lr, device).result()
 
 
 @torch.no_grad()
