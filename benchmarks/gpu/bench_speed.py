@@ -29,7 +29,7 @@ the median over the iterations after the first ``--skip``; TFLOP/s/GPU is Megatr
 (``mtl.train.metrics.iteration_flops`` of that config: the family's count) over s/iter; MFU against the
 ``matmul`` row; peak memory is ``torch.cuda.max_memory_allocated`` of the row's process.
 
-``--profile SYSTEM`` adds a torch.profiler breakdown of two steps of one system (top-45
+``--profile SYSTEM...`` adds a torch.profiler breakdown of two steps of each system named (top-80
 kernels by CUDA time and time per category) to ``--profile-out``. ``--tiny`` (with
 ``--device cpu``) is a minute-long run of a small model for checking the script itself.
 """
@@ -145,8 +145,8 @@ def main() -> None:
                              "would start after it are listed as skipped (e.g. 520 inside a 600 s device call)")
     parser.add_argument("--out", default=None, help="write the markdown table here (rewritten after every row)")
     parser.add_argument("--log-dir", default=None, help="per-row logs (default: next to --out, else a temp dir)")
-    parser.add_argument("--profile", default=None, metavar="SYSTEM",
-                        help="also profile 2 steps of this system (peer-eager, peer-compile, mtl-<variant>)")
+    parser.add_argument("--profile", nargs="+", default=[], metavar="SYSTEM",
+                        help="also profile 2 steps of these systems (peer-eager, peer-compile, mtl-<variant>)")
     parser.add_argument("--profile-out", default=None, help="markdown file of the profile (default: <out>.profile.md)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -160,7 +160,7 @@ def main() -> None:
         sets.append(f"train.device='{args.device}'")
     variants = dict(parse_variant(v) for v in args.variants)
     systems = args.systems or [*PEER_SYSTEMS, *(f"mtl-{v}" for v in variants)]
-    for s in systems + ([args.profile] if args.profile else []):
+    for s in systems + args.profile:
         if s not in PEER_SYSTEMS and not (s.startswith("mtl-") and s[4:] in variants):
             raise SystemExit(f"unknown system {s!r}: have {', '.join([*PEER_SYSTEMS, *(f'mtl-{v}' for v in variants)])}")
     iters = max(args.iters, args.skip + 1)
@@ -230,15 +230,15 @@ def main() -> None:
                              f"(iters {', '.join(f'{x:.3f}' for x in r['iter_s'])}), wall {r['wall_s']:.0f} s"),
               flush=True)
         write_table(out, header, table_rows(), notes)
-    if args.profile:
-        profile_out = Path(args.profile_out) if args.profile_out else (
-            out.with_suffix(".profile.md") if out else log_dir / "profile.md")
+    for system in args.profile:
+        profile_out = Path(args.profile_out or (out.with_suffix(".profile.md") if out else log_dir / "profile.md"))
+        if len(args.profile) > 1:  # one file per profiled system
+            profile_out = profile_out.with_name(f"{profile_out.stem}.{system}{profile_out.suffix}")
         if limit() < 10:
             r = {"error": f"skipped: --budget {args.budget:.0f} s spent"}
         else:
-            r = run_row(spec_for(args.profile, profile_out=str(profile_out), name=f"profile-{args.profile}"),
-                        limit(), log_dir)
-        notes.append(f"- profile of {args.profile}: " + (
+            r = run_row(spec_for(system, profile_out=str(profile_out), name=f"profile-{system}"), limit(), log_dir)
+        notes.append(f"- profile of {system}: " + (
             str(profile_out) if "error" not in r else r["error"] if r["error"].startswith("skipped") else f"failed: {r['error']}"))
     print(write_table(out, header, table_rows(), notes))
 
@@ -393,7 +393,7 @@ def _profile(step, spec: dict, title: str) -> dict:
     from profile_step import kernel_table, profile_steps
 
     prof = profile_steps(step, warmup=2, steps=2)
-    Path(spec["profile_out"]).write_text(kernel_table(prof, steps=2, rows=45, title=title))
+    Path(spec["profile_out"]).write_text(kernel_table(prof, steps=2, rows=80, title=title))
     return dict(profile=spec["profile_out"])
 
 
