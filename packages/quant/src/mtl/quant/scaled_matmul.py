@@ -34,8 +34,13 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
     if not a.is_cuda:
         return torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale.t() if rowwise else b_scale,
                                 out_dtype=out_dtype)
-    a, b = a.contiguous(), b.contiguous()  # row-major both: bᵀ is then the column-major operand cuBLAS wants
     (m, k), n = a.shape, b.shape[0]
+    if (not rowwise and a.is_contiguous() and b.is_contiguous()
+            and not (m % CUDA_MULTIPLE or n % CUDA_MULTIPLE or k % CUDA_MULTIPLE)):
+        # training's shapes: the one cuBLAS call and nothing around it (this op runs three times
+        # per linear per micro-batch, and every extra tensor op costs the host a dispatch)
+        return torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)
+    a, b = a.contiguous(), b.contiguous()  # row-major both: bᵀ is then the column-major operand cuBLAS wants
     m_pad, n_pad, k_pad = _round_up(m), _round_up(n), _round_up(k)
     a, b = _pad(a, m_pad, k_pad), _pad(b, n_pad, k_pad)  # zeros along K add nothing
     if rowwise:  # padded rows get scale 1 (their values are zero)
