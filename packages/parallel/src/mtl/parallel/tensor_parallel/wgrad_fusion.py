@@ -16,8 +16,8 @@ is switched on per weight by ``enable_wgrad_fusion``: linears and an untied outp
 fused loss, ``linear_cross_entropy``, accumulates each token chunk the same way), never a
 weight tied to the word embedding.
 
-The accumulation is a ``torch.library`` custom op that mutates ``main_grad``, so
-``torch.compile`` traces the linear (no graph break) and keeps the GEMM as it is.
+The accumulation is a ``torch.library`` op (``mtl::accumulate_weight_grad``) that mutates
+``main_grad``, so ``torch.compile`` traces the linear (no graph break) and keeps the GEMM as it is.
 """
 
 from __future__ import annotations
@@ -27,8 +27,14 @@ import torch.nn.functional as F
 from torch import nn
 
 
-@torch.library.custom_op("mtl::accumulate_weight_grad", mutates_args=("main_grad",))
-def accumulate_weight_grad(main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
+# A torch.library.Library op rather than torch.library.custom_op: it runs for every linear in
+# every micro-batch, and custom_op's Python wrapper costs the host several microseconds more
+# per call (an empty op: 6.7 against 2.4 us on a CPU).
+_LIB = torch.library.Library("mtl", "FRAGMENT")
+_LIB.define("accumulate_weight_grad(Tensor(a!) main_grad, Tensor grad_output, Tensor inputs) -> ()")
+
+
+def _accumulate_weight_grad(main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
     """``main_grad [out, in] += grad_outputᵀ [out, T] @ inputs [T, in]`` with fp32 accumulation."""
     dy = grad_output.reshape(-1, grad_output.shape[-1])
     x = inputs.reshape(-1, inputs.shape[-1])
@@ -37,6 +43,17 @@ def accumulate_weight_grad(main_grad: torch.Tensor, grad_output: torch.Tensor, i
         torch.addmm(main_grad, dy.t(), x, out_dtype=main_grad.dtype, out=main_grad)
     else:  # CPU has no mixed-dtype GEMM; the same sum, computed in fp32
         main_grad.addmm_(dy.t().to(main_grad.dtype), x.to(main_grad.dtype))
+
+
+_LIB.impl("accumulate_weight_grad", _accumulate_weight_grad, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("mtl::accumulate_weight_grad")
+def _(main_grad, grad_output, inputs) -> None:
+    return None
+
+
+accumulate_weight_grad = torch.ops.mtl.accumulate_weight_grad.default
 
 
 class _LinearAccumulatingMainGrad(torch.autograd.Function):
