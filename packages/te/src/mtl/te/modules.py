@@ -84,6 +84,15 @@ def _tp(topology) -> tuple[int, object]:
     return topology.tp, topology.tp_group
 
 
+# Dynamo cannot trace TE's FP8 autocast (InternalTorchDynamoError, TE 2.20.2 with torch 2.11 on
+# an H100: benchmarks/RESULTS.md), so under ``train.compile`` an FP8 TE module runs eagerly
+# between the compiled pieces of its layer; in bf16 TE modules compile with the layer.
+@torch.compiler.disable
+def _fp8_call(forward, recipe, amax_group, x: torch.Tensor, *args, **kwargs):
+    with te.autocast(enabled=True, recipe=recipe, amax_reduction_group=amax_group):
+        return forward(x, *args, **kwargs)
+
+
 class _Fp8Forward:
     """Runs the TE module's forward inside TE's autocast when FP8 is on."""
 
@@ -94,8 +103,7 @@ class _Fp8Forward:
     def forward(self, x: torch.Tensor, *args, **kwargs):
         if not fp8_shape_ok(x, self._te_recipe):
             return super().forward(x, *args, **kwargs)
-        with te.autocast(enabled=True, recipe=self._te_recipe, amax_reduction_group=self._amax_group):
-            return super().forward(x, *args, **kwargs)
+        return _fp8_call(super().forward, self._te_recipe, self._amax_group, x, *args, **kwargs)
 
 
 class TEColumnParallelLinear(_Fp8Forward, te.Linear):
@@ -211,8 +219,7 @@ class TENormMLP(nn.Module):
         """[s(/tp), b, h] (un-normalised) -> [s(/tp), b, h]."""
         if not fp8_shape_ok(hidden, self._te_recipe):
             return self.fused(hidden)
-        with te.autocast(enabled=True, recipe=self._te_recipe, amax_reduction_group=self._amax_group):
-            return self.fused(hidden)
+        return _fp8_call(self.fused, self._te_recipe, self._amax_group, hidden)
 
 
 class TECoreAttention(nn.Module):
