@@ -35,9 +35,10 @@ def _fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
     -> ``(a * a_scale) @ (b * b_scale)ᵀ`` ``[M, N]`` in ``out_dtype``.
 
     The op ``mtl::fp8_gemm`` (``scaled_mm`` below): ``torch.compile`` keeps it whole, operand
-    layout and padding included, instead of lowering ``torch._scaled_mm`` itself. With inductor's own lowering on
-    an H100 (torch 2.11) the FP8 layers stopped learning; with this op, compiled training
-    follows eager and bf16 (``benchmarks/gpu/fp8_check.py``, benchmarks/RESULTS.md)."""
+    layout and padding included, instead of lowering ``torch._scaled_mm`` itself. With
+    inductor's own lowering on an H100 (torch 2.11) the FP8 layers stopped learning; with this
+    op, compiled training follows eager and bf16 (``benchmarks/gpu/fp8_check.py``,
+    benchmarks/RESULTS.md)."""
     rowwise = a_scale.dim() > 0
     if not a.is_cuda:
         return torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale.t() if rowwise else b_scale,
