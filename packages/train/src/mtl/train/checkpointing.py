@@ -9,7 +9,9 @@ and tied copies leave it to the owner. Iteration, data position, loss scale, the
 config and versions go to the metadata; experts are global tensors ``[num_experts, ...]`` of
 which each expert-parallel rank holds its block (``param_layout``), written by one of the
 ranks holding that block, so a save at one ep loads at any other; RNG states are stored per rank and restored where
-the layout and device type match (elsewhere re-derived from the seed and iteration)."""
+the layout and device type match (elsewhere re-derived from the seed and iteration), and so are
+modules' extra states (``extra_state.py``: Transformer Engine's FP8 amax histories; elsewhere
+they start afresh)."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from mtl.parallel.ddp.reduce_group import is_expert_param
 from mtl.parallel.optimizer.adamw_shell import MAIN_PARAM
 from mtl.parallel.random import get_rng_tracker
 from mtl.parallel.topology import Topology
+from mtl.train import extra_state
 
 log = get_logger(__name__)
 
@@ -190,6 +193,9 @@ def save_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimiz
         **optimizer_save_state(optimizer, topology, chunks),
         **rng_sharded_state(topology),
     }
+    # modules' own state outside their parameters (Transformer Engine's FP8 amax histories)
+    extra, extra_bytes = extra_state.save_state([_unwrap(c) for c in chunks], topology, _device(chunks))
+    state.update(extra)
     metadata = {
         "iteration": iteration,
         "consumed_samples": consumed_samples,
@@ -199,6 +205,7 @@ def save_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimiz
         "versions": software_versions(),
         "world_size": topology.world_size,
         "device_type": _device_type(chunks),
+        **({extra_state.METADATA_KEY: extra_bytes} if extra_bytes else {}),
     }
     if saver is not None:
         saver.save(state, config.ckpt.save, iteration, metadata)
@@ -356,6 +363,9 @@ def load_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimiz
         template.update(optimizer_load_template(optimizer, topology, chunks, names=(MAIN_PARAM,)))
     if same_rng:
         template.update(rng_sharded_state(topology))
+    extra_bytes = metadata.get(extra_state.METADATA_KEY, 0)
+    if same_rng and extra_bytes:
+        template.update(extra_state.load_template(topology, extra_bytes))
     checkpoint_format(config).load(template, directory, iteration)
     if optimizer.has_main_params:  # the model's bf16/fp16 weights from the loaded main weights
         optimizer.publish_main_weights()
@@ -369,8 +379,25 @@ def load_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimiz
                  "another layout (world size %s, %s)", iteration, metadata.get("world_size"),
                  ", ".join(f"{k} {saved.get(k)}" for k in RNG_LAYOUT_KEYS))
     if load_optimizer:
+        _restore_extra_state(chunks, template.get(extra_state.KEY) if same_rng else None, metadata)
         optimizer.load_common_state(metadata["optimizer_common"])
     return metadata
+
+
+def _restore_extra_state(chunks: list, loaded: ShardedTensor | None, metadata: dict) -> None:
+    """Modules' extra state from this rank's loaded row, where the layout is the one saved;
+    a module left out keeps its fresh state and is named once."""
+    models = [_unwrap(c) for c in chunks]
+    if loaded is not None:
+        fresh = extra_state.restore(models, loaded.data)
+        why = "the checkpoint holds none for them"
+    else:
+        fresh = list(extra_state.modules_with_extra_state(models))
+        why = (f"it was saved by world size {metadata.get('world_size')} at another layout" if metadata.get(
+            extra_state.METADATA_KEY) else "the checkpoint holds none")
+    if fresh:
+        log.info("extra state of %d module(s) (e.g. FP8 amax histories) starts afresh, %s: %s", len(fresh), why,
+                 ", ".join(fresh[:4]) + (" ..." if len(fresh) > 4 else ""))
 
 
 def _device(chunks: list) -> torch.device:

@@ -1,0 +1,94 @@
+"""A module's extra state (``get_extra_state``, how Transformer Engine keeps FP8 amax
+histories) is saved and restored by a resume, through the real trainer and zarr files, so the
+resumed run continues the history of the uninterrupted one; a checkpoint without it leaves
+the modules fresh and says so."""
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from mtl.core import plugins
+from mtl.core.config_io import load_config
+from mtl.core.hookspecs import hookimpl
+from mtl.parallel.backend_local.norms import RMSNorm
+from mtl.parallel.backend_plugin import LOCAL_BACKEND
+from mtl.train.extra_state import modules_with_extra_state
+from mtl.train.loop import train
+from mtl.train.testing import TINY
+
+BASE = [o for o in TINY if not o.startswith("train.iters")] + ["model.normalization='rmsnorm'", "train.lr_decay_iters=4"]
+
+
+class HistoryNorm(RMSNorm):
+    """RMSNorm that records the amax of its inputs in a history outside its parameters and
+    buffers, as an FP8 module does: only ``get_extra_state`` carries it. 16 entries: the 4
+    micro-batch forwards of each of 4 steps."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, **kwargs):
+        super().__init__(hidden_size, eps, **kwargs)
+        self.history = torch.zeros(16)
+
+    def forward(self, x):
+        if self.training:
+            self.history = torch.cat([x.detach().abs().amax().reshape(1).float(), self.history[:-1]])
+        return super().forward(x)
+
+    def get_extra_state(self):
+        return {"amax_history": self.history.clone()}
+
+    def set_extra_state(self, state):
+        self.history = state["amax_history"].clone()
+
+
+def history_norm(hidden_size: int, *, kind: str, eps: float, topology=None, sequence_parallel: bool = False):
+    return HistoryNorm(hidden_size, eps, topology=topology, sequence_parallel=sequence_parallel)
+
+
+class HistoryBackend:
+    @hookimpl
+    def mtl_backends(self):
+        return [dataclasses.replace(LOCAL_BACKEND, name="history", norm=history_norm,
+                                    description="local, with norms keeping an amax history in extra state")]
+
+
+@pytest.fixture
+def history_backend():
+    backend = HistoryBackend()
+    plugins.register_plugin(backend, name="history-backend")
+    yield
+    plugins.unregister_plugin(backend)
+
+
+def histories(result) -> dict[str, torch.Tensor]:
+    models = [getattr(c, "module", c) for c in result.run.chunks]
+    return {name: m.get_extra_state()["amax_history"] for name, m in modules_with_extra_state(models).items()}
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_resume_continues_the_extra_state(history_backend, tmp_path, async_save):
+    run = [*BASE, "model.backend='history'", f"ckpt.async_save={str(async_save).lower()}"]
+    whole = train(load_config(None, [*run, "train.iters=4"]), progress=False)
+    ckpt = [f"ckpt.save='{tmp_path}'"]
+    first = train(load_config(None, [*run, "train.iters=2", *ckpt]), progress=False)
+    resumed = train(load_config(None, [*run, "train.iters=4", *ckpt]), progress=False)
+    expected, got = histories(whole), histories(resumed)
+    assert len(expected) == 9  # 4 layers x 2 norms + the final norm
+    assert all(expected[name][15] > 0 for name in expected)  # 4 steps x 4 micro-batches recorded
+    # the first run recorded 8 forwards; the resumed run's last 8 entries are those, restored
+    assert all(histories(first)[name][8] == 0 and histories(first)[name][7] > 0 for name in expected)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0)
+    assert resumed.losses == {k: v for k, v in whole.losses.items() if k > 2}
+
+
+def test_checkpoint_without_extra_state_leaves_it_fresh(history_backend, tmp_path, caplog):
+    ckpt = [f"ckpt.save='{tmp_path}'"]
+    train(load_config(None, [*BASE, "train.iters=1", *ckpt]), progress=False)  # local: no extra state
+    with caplog.at_level(logging.INFO, logger="mtl.train.checkpointing"):
+        resumed = train(load_config(None, [*BASE, "model.backend='history'", "train.iters=2", *ckpt]),
+                        progress=False)
+    assert "extra state of 9 module(s) (e.g. FP8 amax histories) starts afresh, the checkpoint holds none" in caplog.text
+    # one step (4 micro-batches) recorded since the resume, nothing before it
+    assert all(h[3] > 0 and h[4] == 0 for h in histories(resumed).values())
