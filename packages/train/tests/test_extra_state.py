@@ -14,6 +14,7 @@ from mtl.core.config_io import load_config
 from mtl.core.hookspecs import hookimpl
 from mtl.parallel.backend_local.norms import RMSNorm
 from mtl.parallel.backend_plugin import LOCAL_BACKEND
+from mtl.train.checkpointing import _extra_state_layout_change
 from mtl.train.extra_state import modules_with_extra_state
 from mtl.train.loop import train
 from mtl.train.testing import TINY
@@ -92,3 +93,23 @@ def test_checkpoint_without_extra_state_leaves_it_fresh(history_backend, tmp_pat
     assert "extra state of 9 module(s) (e.g. FP8 amax histories) starts afresh, the checkpoint holds none" in caplog.text
     # one step (4 micro-batches) recorded since the resume, nothing before it
     assert all(h[3] > 0 and h[4] == 0 for h in histories(resumed).values())
+
+
+def test_weights_only_load_restores_it_too(history_backend, tmp_path):
+    run = [*BASE, "model.backend='history'"]
+    saved = train(load_config(None, [*run, "train.iters=2", f"ckpt.save='{tmp_path / 'a'}'"]), progress=False)
+    tuned = train(load_config(None, [*run, "train.iters=1", f"ckpt.load='{tmp_path / 'a'}'", "ckpt.load_optimizer=false"]),
+                  progress=False)
+    before, after = histories(saved), histories(tuned)
+    for name in before:  # one step (4 forwards) recorded on top of the 8 loaded
+        torch.testing.assert_close(after[name][4:12], before[name][:8], rtol=0, atol=0)
+
+
+def test_another_layout_is_named():
+    cfg = load_config(None, [*BASE, "parallel.tp=2"]).resolve(world_size=2, tokenizer_vocab_size=257)
+    topology = type("T", (), {"world_size": 2})()
+    saved = {"world_size": 2, "config": {"parallel": {"tp": 1, "pp": 1, "vpp": 1, "cp": 1, "ep": 1}}}
+    assert _extra_state_layout_change(saved, cfg, topology) == "parallel.tp 1 -> 2"
+    assert _extra_state_layout_change({**saved, "world_size": 4}, cfg, topology) == "world size 4 -> 2"
+    same = {"world_size": 2, "config": {"parallel": {"tp": 2, "pp": 1, "vpp": 1, "cp": 1, "ep": 1}}}
+    assert _extra_state_layout_change(same, cfg, topology) == ""

@@ -47,6 +47,8 @@ RESUMABLE_CHANGES = ("train.iters", "train.exit_interval", "train.eval_interval"
 # Derived from the layout (the padding of the vocabulary for tp): never stored, never compared.
 LAYOUT_DERIVED = ("model.padded_vocab_size", "model.make_vocab_size_divisible_by")
 RNG_LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "distributed_optimizer")
+# What places a module on a rank: its per-rank extra state is restored only where these match.
+EXTRA_STATE_LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "ep")
 # The data a run trains on: a ckpt.save directory holding another value belongs to another run.
 RUN_DATA_KEYS = ("data.paths", "data.split", "data.tokenizer", "data.tokenizer_model", "data.dataset",
                  "data.mock_num_samples")
@@ -364,7 +366,8 @@ def load_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimiz
     if same_rng:
         template.update(rng_sharded_state(topology))
     extra_bytes = metadata.get(extra_state.METADATA_KEY, 0)
-    if same_rng and extra_bytes:
+    extra_layout = _extra_state_layout_change(metadata, config, topology)
+    if extra_bytes and not extra_layout:
         template.update(extra_state.load_template(topology, extra_bytes))
     checkpoint_format(config).load(template, directory, iteration)
     if optimizer.has_main_params:  # the model's bf16/fp16 weights from the loaded main weights
@@ -378,23 +381,34 @@ def load_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimiz
         log.info("RNG streams re-seeded from (train.seed, iteration %d): the checkpoint's are per rank of "
                  "another layout (world size %s, %s)", iteration, metadata.get("world_size"),
                  ", ".join(f"{k} {saved.get(k)}" for k in RNG_LAYOUT_KEYS))
+    # weights-only loads too: FP8 scales belong to the weights (Megatron restores TE's on --finetune)
+    _restore_extra_state(chunks, template.get(extra_state.KEY), extra_bytes, extra_layout)
     if load_optimizer:
-        _restore_extra_state(chunks, template.get(extra_state.KEY) if same_rng else None, metadata)
         optimizer.load_common_state(metadata["optimizer_common"])
     return metadata
 
 
-def _restore_extra_state(chunks: list, loaded: ShardedTensor | None, metadata: dict) -> None:
+def _extra_state_layout_change(metadata: dict, config: RunConfig, topology: Topology) -> str:
+    """What differs from the saved layout for modules' extra state, which is per rank and
+    opaque ("" where nothing does): the world size or a split of the model."""
+    if metadata.get("world_size") != topology.world_size:
+        return f"world size {metadata.get('world_size')} -> {topology.world_size}"
+    saved = metadata["config"]["parallel"]
+    changed = [f"parallel.{k} {saved.get(k)} -> {getattr(config.parallel, k)}" for k in EXTRA_STATE_LAYOUT_KEYS
+               if saved.get(k) != getattr(config.parallel, k)]
+    return ", ".join(changed)
+
+
+def _restore_extra_state(chunks: list, loaded: ShardedTensor | None, saved_bytes: int, layout_change: str) -> None:
     """Modules' extra state from this rank's loaded row, where the layout is the one saved;
-    a module left out keeps its fresh state and is named once."""
+    modules left out keep their fresh state and are named in one log line."""
     models = [_unwrap(c) for c in chunks]
     if loaded is not None:
-        fresh = extra_state.restore(models, loaded.data)
-        why = "the checkpoint holds none for them"
+        fresh, why = extra_state.restore(models, loaded.data)
     else:
         fresh = list(extra_state.modules_with_extra_state(models))
-        why = (f"it was saved by world size {metadata.get('world_size')} at another layout" if metadata.get(
-            extra_state.METADATA_KEY) else "the checkpoint holds none")
+        why = (f"it was saved at another layout ({layout_change}) and cannot be resharded" if saved_bytes
+               else "the checkpoint holds none")
     if fresh:
         log.info("extra state of %d module(s) (e.g. FP8 amax histories) starts afresh, %s: %s", len(fresh), why,
                  ", ".join(fresh[:4]) + (" ..." if len(fresh) > 4 else ""))

@@ -9,9 +9,9 @@ The state is opaque (whatever the module returns), so it cannot be resharded. Ea
 saves its own, like its RNG states. The module states of a rank are
 ``torch.save``'d together as one row of a ``[world_size, n]`` uint8 array: an 8-byte
 length, the bytes, then zero padding to ``n``, the longest row over the ranks (one
-all-reduce). The row is restored where the layout is the same (``same_layout`` of
-checkpointing: world size, tp, pp, vpp, cp). Elsewhere the modules keep their fresh state,
-and one log line says so. Loading uses ``torch.load(weights_only=True)``: an extra state must
+all-reduce). The row is restored, on a resume or a weights-only load, where the layout is
+the same: world size, tp, pp, vpp, cp, ep (``checkpointing.EXTRA_STATE_LAYOUT_KEYS``).
+Elsewhere the modules keep their fresh state, and one log line says so. Loading uses ``torch.load(weights_only=True)``: an extra state must
 be tensors and plain containers, as Transformer Engine's is (a uint8 tensor)."""
 
 from __future__ import annotations
@@ -73,17 +73,21 @@ def load_template(topology: Topology, n: int) -> dict[str, ShardedTensor]:
     return {KEY: ShardedTensor(KEY, row, (topology.world_size, n), (topology.rank, 0), replica_id=0)}
 
 
-def restore(models: list[nn.Module], row: torch.Tensor) -> list[str]:
+def restore(models: list[nn.Module], row: torch.Tensor) -> tuple[list[str], str]:
     """``set_extra_state`` on each module from this rank's loaded row; returns the names of the
-    modules with extra state that the row does not hold (they keep their fresh state)."""
-    row = row.reshape(-1)
-    raw = row.numpy().tobytes()
+    modules with extra state that it did not restore (they keep their fresh state) and why."""
+    raw = row.reshape(-1).numpy().tobytes()
     size = int.from_bytes(raw[:_HEADER], "little")
-    states = torch.load(io.BytesIO(raw[_HEADER:_HEADER + size]), weights_only=True) if size else {}
+    try:
+        states = torch.load(io.BytesIO(raw[_HEADER:_HEADER + size]), weights_only=True) if size else {}
+    except Exception as exc:  # noqa: BLE001 - a state that is not tensors and plain containers
+        return list(modules_with_extra_state(models)), (
+            f"the saved state is not readable with torch.load(weights_only=True) "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
     missing = []
     for name, module in modules_with_extra_state(models).items():
         if name in states:
             module.set_extra_state(states[name])
         else:
             missing.append(name)
-    return missing
+    return missing, "the checkpoint holds none for them"
