@@ -14,6 +14,7 @@ from mtl.core.config_io import load_config
 from mtl.core.hookspecs import hookimpl
 from mtl.parallel.backend_local.norms import RMSNorm
 from mtl.parallel.backend_plugin import LOCAL_BACKEND
+from mtl.parallel.testing import run_distributed
 from mtl.train.checkpointing import _extra_state_layout_change
 from mtl.train.extra_state import modules_with_extra_state
 from mtl.train.loop import train
@@ -113,3 +114,26 @@ def test_another_layout_is_named():
     assert _extra_state_layout_change({**saved, "world_size": 4}, cfg, topology) == "world size 4 -> 2"
     same = {"world_size": 2, "config": {"parallel": {"tp": 2, "pp": 1, "vpp": 1, "cp": 1, "ep": 1}}}
     assert _extra_state_layout_change(same, cfg, topology) == ""
+
+
+def straight_and_resumed_histories(ckpt: str) -> dict:
+    """On each rank of a spawned run: the histories after 4 steps straight and after 2 + a resume for 2."""
+    backend = HistoryBackend()
+    plugins.register_plugin(backend, name="history-backend")
+    run = [*BASE, "model.backend='history'", "parallel.pp=2", "train.iters=4"]
+    straight = histories(train(load_config(None, run), progress=False))
+    train(load_config(None, [*run, f"ckpt.save='{ckpt}'", "train.exit_interval=2"]), progress=False)
+    resumed = histories(train(load_config(None, [*run, f"ckpt.load='{ckpt}'"]), progress=False))
+    return {"straight": straight, "resumed": resumed}
+
+
+def test_each_pipeline_stage_resumes_its_own(tmp_path):
+    # two stages hold different modules (4 norms; 4 + the final norm): rows of different
+    # lengths, padded to the longest after the save's all-reduce
+    results = run_distributed(straight_and_resumed_histories, 2, args=(str(tmp_path / "ckpt"),))
+    assert [len(r["straight"]) for r in results] == [4, 5]
+    for r in results:
+        assert r["resumed"].keys() == r["straight"].keys()
+        for name, history in r["straight"].items():
+            assert history[15] > 0
+            torch.testing.assert_close(r["resumed"][name], history, rtol=0, atol=0)
