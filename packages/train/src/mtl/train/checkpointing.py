@@ -46,7 +46,7 @@ RESUMABLE_CHANGES = ("train.iters", "train.exit_interval", "train.eval_interval"
                      "ckpt", "logging", "train.lr_decay_iters", "data.num_workers", "train.device")
 # Derived from the layout (the padding of the vocabulary for tp): never stored, never compared.
 LAYOUT_DERIVED = ("model.padded_vocab_size", "model.make_vocab_size_divisible_by")
-RNG_LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "distributed_optimizer")
+RNG_LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "ep", "distributed_optimizer")
 # What places a module on a rank: its per-rank extra state is restored only where these match.
 EXTRA_STATE_LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "ep")
 # The data a run trains on: a ckpt.save directory holding another value belongs to another run.
