@@ -163,9 +163,7 @@ def rng_sharded_state(topology: Topology) -> dict[str, ShardedTensor]:
     states = _rng_states()
     out = {}
     for key, value in states.items():
-        row = value.view(1, -1)
-        out[key] = ShardedTensor(key=key, data=row, global_shape=(topology.world_size, row.shape[1]),
-                                 global_offset=(topology.rank, 0), replica_id=0)
+        out[key] = extra_state.per_rank_row(key, value.view(1, -1), topology)
     return out
 
 

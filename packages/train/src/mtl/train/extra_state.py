@@ -41,6 +41,12 @@ def modules_with_extra_state(models: list[nn.Module]) -> dict[str, nn.Module]:
     return found
 
 
+def per_rank_row(key: str, row: torch.Tensor, topology: Topology) -> ShardedTensor:
+    """``row`` [1, n] as this rank's row of a ``[world_size, n]`` array, written by this rank
+    alone (per-rank state: RNG states, extra state)."""
+    return ShardedTensor(key, row, (topology.world_size, row.shape[1]), (topology.rank, 0), replica_id=0)
+
+
 def _row_length(payload: int, device: torch.device) -> int:
     """The longest row over all ranks (0: no rank has extra state)."""
     length = torch.tensor([payload + _HEADER if payload else 0], dtype=torch.int64, device=device)
@@ -65,13 +71,12 @@ def save_state(models: list[nn.Module], topology: Topology, device: torch.device
     if payload:
         row[0, :_HEADER] = torch.frombuffer(bytearray(len(payload).to_bytes(_HEADER, "little")), dtype=torch.uint8)
         row[0, _HEADER:_HEADER + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    return {KEY: ShardedTensor(KEY, row, (topology.world_size, n), (topology.rank, 0), replica_id=0)}, n
+    return {KEY: per_rank_row(KEY, row, topology)}, n
 
 
 def load_template(topology: Topology, n: int) -> dict[str, ShardedTensor]:
     """An empty row of ``n`` bytes for this rank, which ``load`` fills."""
-    row = torch.zeros(1, n, dtype=torch.uint8)
-    return {KEY: ShardedTensor(KEY, row, (topology.world_size, n), (topology.rank, 0), replica_id=0)}
+    return {KEY: per_rank_row(KEY, torch.zeros(1, n, dtype=torch.uint8), topology)}
 
 
 def restore(models: list[nn.Module], row: torch.Tensor) -> tuple[list[str], str]:
