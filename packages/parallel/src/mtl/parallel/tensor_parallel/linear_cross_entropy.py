@@ -23,16 +23,21 @@ does not factor it out. So backward needs the logits again, and there are two wa
 them, chosen by ``save_logits`` (default: by dtype and size):
 
 - keep them (the default for 16-bit compute up to ``MAX_SAVED_LOGITS_BYTES``, the fastest):
-  the forward GEMMs write into one ``[tokens, V/tp]`` buffer in the compute dtype, which
-  backward reads: 3 GEMMs like the unfused path, which keeps twice that (its fp32 softmax)
-  and passes through fp32 copies of the whole micro-batch besides: 0.8 GB kept for the
-  reference model's micro-batch instead of 1.6 GB kept and 3.3+ GB at its peak;
+  one forward GEMM writes the whole ``[tokens, V/tp]`` buffer in the compute dtype; backward
+  overwrites it, chunk by chunk, with ``dlogits`` and then runs ``dx`` and ``dW`` as one GEMM
+  each over all tokens. Whole GEMMs, not one per chunk, because a chunk's ``dx``
+  (``[c, V/tp] x [V/tp, h]``) has too few output tiles to fill a GPU: on one H100 the
+  chunked head ran its GEMMs at about half the matmul rate. The unfused path keeps twice
+  that buffer (its fp32 softmax) and passes through fp32 copies of the whole micro-batch
+  besides: 0.8 GB kept for the reference model's micro-batch instead of 1.6 GB kept and
+  3.3+ GB at its peak;
 - recompute them (fp32 compute, where keeping them would cost what the unfused path keeps,
   or logits larger than the bound, e.g. a 256k vocabulary): one extra GEMM (about 2% of the
   reference model's FLOPs), and only ``x`` (which the plain linear saves too), the
   compute-dtype weight and one fp32 ``lse`` per token are kept.
 
-Transient memory is one chunk: its logits in fp32 and its ``dlogits``.
+Transient memory is one chunk: its logits in fp32 and (recomputing) its ``dlogits``; kept
+logits take their ``dlogits`` in place.
 
 The weight gradient leaves through autograd (it is returned from ``backward``), so a weight
 tied to the embedding accumulates both gradients in one ``param.grad`` and the
@@ -131,9 +136,27 @@ def _chunk_dlogits_eager(logits, lse, target_local, owned, scale, num_real, out_
     return torch.mul(p, scale.unsqueeze(-1), out=torch.empty(p.shape, dtype=out_dtype, device=p.device))
 
 
+def _chunk_dlogits_into(out, logits, lse, target_local, owned, scale, num_real: int):
+    """``_chunk_dlogits`` written into ``out`` (which may be ``logits`` itself): compiled, the
+    read of the logits and the write of their gradient are one kernel."""
+    out.copy_(_chunk_dlogits(logits, lse, target_local, owned, scale, num_real, out.dtype))
+    return out
+
+
+def _chunk_dlogits_into_eager(out, logits, lse, target_local, owned, scale, num_real):
+    # As _chunk_dlogits_eager, its last pass writing into ``out``: the fp32 ``p`` is a new
+    # tensor, so ``out`` may be the logits it was computed from.
+    p = torch.sub(logits, lse.unsqueeze(-1)).exp_()
+    if num_real < p.shape[-1]:
+        p[:, num_real:] = 0.0
+    p.scatter_add_(-1, target_local.unsqueeze(-1), -owned.to(p.dtype).unsqueeze(-1))
+    return torch.mul(p, scale.unsqueeze(-1), out=out)
+
+
 class _Kernels:
-    """The eager pair, and the compiled pair built on first use; a failed compilation is
-    logged once and the eager pair used from then on."""
+    """The eager kernels, and their compiled forms built on first use; a failed compilation
+    is logged once and the eager kernels used from then on. Index 0: chunk statistics,
+    1: chunk ``dlogits``, 2: chunk ``dlogits`` into a given buffer."""
 
     def __init__(self):
         self._compiled = None
@@ -145,9 +168,10 @@ class _Kernels:
                 self._compiled = (
                     torch.compile(_chunk_stats, dynamic=False),
                     torch.compile(_chunk_dlogits, dynamic=False),
+                    torch.compile(_chunk_dlogits_into, dynamic=False),
                 )
             return self._compiled
-        return _chunk_stats_eager, _chunk_dlogits_eager
+        return _chunk_stats_eager, _chunk_dlogits_eager, _chunk_dlogits_into_eager
 
     def run(self, index: int, compiled: bool, *args):
         if compiled and not self._failed:
@@ -194,11 +218,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             target_local = (target - vocab_start).masked_fill(not_mine, 0)
             lse_local = torch.full((n,), float("-inf"), dtype=torch.float32, device=x.device)
             tgt = torch.zeros((n,), dtype=torch.float32, device=x.device)
+            if saved is not None:
+                torch.mm(x_c, w_c.t(), out=saved)  # one GEMM over all tokens (module docstring)
             if num_real > 0:
                 for start in range(0, n, rows):
                     end = min(n, start + rows)
                     # [c, V/tp] in the compute dtype; the kernels below never write to it
-                    logits = torch.mm(x_c[start:end], w_c.t(), out=None if saved is None else saved[start:end])
+                    logits = torch.mm(x_c[start:end], w_c.t()) if saved is None else saved[start:end]
                     lse_c, tgt_c = _KERNELS.run(0, compiled, logits, target_local[start:end], owned[start:end],
                                                 num_real)
                     lse_local[start:end] = lse_c
@@ -225,12 +251,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if need_x:  # a rank holding only padding sends zeros into the TP reduction
             grad_x = (torch.empty if num_real > 0 else torch.zeros)((n, h), dtype=x_dtype, device=x_c.device)
         grad_w = None
-        if num_real > 0 and (need_x or need_w):
+        if num_real > 0 and (need_x or need_w) and saved is not None:
+            with torch.autocast(x_c.device.type, enabled=False):
+                grad_w = _backward_from_saved(ctx, saved, x_c, w_c, lse, target_local, owned, scale, grad_x,
+                                              need_x, need_w)
+        elif num_real > 0 and (need_x or need_w):
             with torch.autocast(x_c.device.type, enabled=False):
                 for start in range(0, n, rows):
                     end = min(n, start + rows)
                     xs = x_c[start:end]
-                    logits = torch.mm(xs, w_c.t()) if saved is None else saved[start:end]
+                    logits = torch.mm(xs, w_c.t())
                     d = _KERNELS.run(1, compiled, logits, lse[start:end], target_local[start:end],
                                      owned[start:end], scale[start:end], num_real, cdtype)
                     del logits
@@ -255,6 +285,37 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_w = torch.zeros(w_c.shape, dtype=torch.float32, device=w_c.device)
             grad_w = grad_w.to(w_dtype)
         return grad_x, grad_w, None, None, None, None, None, None, None, None
+
+
+def _backward_from_saved(ctx, saved, x_c, w_c, lse, target_local, owned, scale, grad_x, need_x, need_w):
+    """Backward over the kept logits: ``dlogits`` overwrites them chunk by chunk (the
+    elementwise kernels' fp32 transient stays one chunk), then ``dx`` and ``dW`` are one GEMM
+    each over all tokens. Returns the weight gradient autograd takes (None where ``main_grad``
+    took it or none is needed)."""
+    num_real, rows, compiled, cdtype, x_dtype, w_dtype = ctx.meta
+    n = saved.shape[0]
+    for start in range(0, n, rows):
+        end = min(n, start + rows)
+        chunk = saved[start:end]
+        _KERNELS.run(2, compiled, chunk, chunk, lse[start:end], target_local[start:end], owned[start:end],
+                     scale[start:end], num_real)
+    dlogits = saved  # [N, V/tp] in the compute dtype
+    if need_x:
+        if x_dtype == cdtype:
+            torch.mm(dlogits, w_c, out=grad_x)
+        else:
+            grad_x.copy_(torch.mm(dlogits, w_c))
+    if need_w and ctx.main_grad is not None:
+        accumulate_weight_grad(ctx.main_grad, dlogits, x_c)
+        return None
+    if not need_w:
+        return None
+    if w_dtype == cdtype:
+        return torch.mm(dlogits.t(), x_c)
+    # 16-bit compute over fp32 weights (autocast): an fp32 result, not a 16-bit one rounded
+    grad_w = torch.zeros(w_c.shape, dtype=torch.float32, device=w_c.device)
+    accumulate_weight_grad(grad_w, dlogits, x_c)
+    return grad_w
 
 
 def linear_cross_entropy(
