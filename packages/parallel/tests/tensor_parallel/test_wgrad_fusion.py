@@ -148,3 +148,75 @@ def test_fused_loss_accumulates_the_output_layer_into_main_grad():
     assert head.weight.grad is None
     torch.testing.assert_close(head.weight.main_grad, ref.weight.grad, rtol=0, atol=2e-2 * ref.weight.grad.abs().max())
     assert head.weight.main_grad[37:].abs().sum() == 0  # padding rows never get a gradient
+
+
+class _AddIntoMainGrad(torch.autograd.Function):
+    """What a backend module with its own fused backward does (Transformer Engine's
+    ``fuse_wgrad_accumulation``): ``main_grad += dyᵀ x`` in fp32, a placeholder to autograd."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        weight.main_grad.add_(dy.reshape(-1, dy.shape[-1]).float().t() @ x.reshape(-1, x.shape[-1]).float())
+        return dy @ weight, torch.empty_like(weight)
+
+
+class SelfAccumulating(nn.Module):
+    """A backend leaf under the contract of ``enable_wgrad_fusion``: its weight, also named by
+    a parameter view (as mtl-te names TE's LayerNormMLP weights ``linear_fc1.weight``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(16, 16, bias=False)  # the weight's real holder, a submodule
+        self.view = nn.Module()
+        self.view.weight = self.inner.weight
+        self.view.mtl_parameter_view = True
+        self.switched_on = False
+
+    def main_grad_accumulation_params(self):
+        return [self.inner.weight]
+
+    def enable_main_grad_accumulation(self):
+        self.switched_on = True
+
+    def forward(self, x):
+        if self.switched_on:
+            return _AddIntoMainGrad.apply(x, self.inner.weight)
+        return self.inner(x)
+
+
+def test_a_backend_module_that_accumulates_into_main_grad_itself():
+    def run(fuse: bool):
+        torch.manual_seed(0)
+        module = nn.Sequential(SelfAccumulating(), ColumnParallelLinear(16, 8, bias=False)).to(torch.bfloat16)
+        if fuse:
+            assert enable_wgrad_fusion(module) == 2  # the backend module's weight and the linear's
+        model = DataParallel(module, Topology.single(), grad_dtype=torch.float32, bucket_size_mb=1e-4,
+                             overlap_grad_reduce=True)
+        model.zero_grad()
+        first, last = micro_batches()
+        with model.no_sync():
+            module(first).float().square().sum().backward()
+        module(last).float().square().sum().backward()
+        assert all(b.launched for b in model.buckets)  # the placeholder gradient fired the hook
+        model.finish_grad_sync()
+        return module
+
+    fused = run(True)
+    assert fused[0].switched_on and fused[0].inner.weight.wgrad_fused
+    plain = run(False)
+    # the same sum, the fused one in fp32 rather than per-micro-batch bf16 products
+    torch.testing.assert_close(fused[0].inner.weight.main_grad, plain[0].inner.weight.main_grad, rtol=2e-2, atol=2e-2)
+    assert not torch.equal(fused[0].inner.weight.main_grad, plain[0].inner.weight.main_grad)
+
+
+def test_a_backend_module_whose_weight_is_also_held_elsewhere_stays_off():
+    module = nn.Sequential(SelfAccumulating(), nn.Linear(16, 16))
+    module[1].weight = module[0].inner.weight  # tied to a holder outside the contract
+    assert enable_wgrad_fusion(module) == 0
+    assert not module[0].switched_on and not getattr(module[0].inner.weight, "wgrad_fused", False)

@@ -93,6 +93,27 @@ def _fp8_call(forward, recipe, amax_group, x: torch.Tensor, *args, **kwargs):
         return forward(x, *args, **kwargs)
 
 
+def _switch_on_main_grad_accumulation(te_module: nn.Module, weights: list[nn.Parameter]) -> None:
+    """TE's ``fuse_wgrad_accumulation``: the weight-gradient GEMMs add into ``weight.main_grad``
+    (fp32) in place. ``grad_added_to_main_grad`` present makes TE return a placeholder gradient
+    rather than None, so autograd's post-accumulate hooks still fire (the DataParallel hook drops
+    it: ``wgrad_fused``, mtl.parallel's wgrad_fusion)."""
+    te_module.fuse_wgrad_accumulation = True
+    for weight in weights:
+        weight.grad_added_to_main_grad = False
+
+
+class _MainGradAccumulation:
+    """mtl.parallel's gradient-accumulation fusion contract (``enable_wgrad_fusion``) for a TE
+    module whose one weight is ``self.weight``."""
+
+    def main_grad_accumulation_params(self) -> list[nn.Parameter]:
+        return [self.weight] if self.weight.requires_grad else []
+
+    def enable_main_grad_accumulation(self) -> None:
+        _switch_on_main_grad_accumulation(self, self.main_grad_accumulation_params())
+
+
 class _Fp8Forward:
     """Runs the TE module's forward inside TE's autocast when FP8 is on."""
 
@@ -106,7 +127,7 @@ class _Fp8Forward:
         return _fp8_call(super().forward, self._te_recipe, self._amax_group, x, *args, **kwargs)
 
 
-class TEColumnParallelLinear(_Fp8Forward, te.Linear):
+class TEColumnParallelLinear(_MainGradAccumulation, _Fp8Forward, te.Linear):
     def __init__(self, input_size: int, output_size: int, *, bias: bool, init_std: float, topology,
                  gather_output: bool = False, sequence_parallel: bool = False, stride: int = 1,
                  fp8: Fp8Settings | None = None):
@@ -120,7 +141,7 @@ class TEColumnParallelLinear(_Fp8Forward, te.Linear):
         self._setup_fp8(fp8, group)
 
 
-class TERowParallelLinear(_Fp8Forward, te.Linear):
+class TERowParallelLinear(_MainGradAccumulation, _Fp8Forward, te.Linear):
     def __init__(self, input_size: int, output_size: int, *, bias: bool, init_std: float, topology,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, fp8: Fp8Settings | None = None):
         if not input_is_parallel:
@@ -161,7 +182,7 @@ def _share_norm(module: nn.Module, norm: nn.Module) -> None:
         module.layer_norm_bias = norm.bias
 
 
-class TENormColumnParallelLinear(_Fp8Forward, te.LayerNormLinear):
+class TENormColumnParallelLinear(_MainGradAccumulation, _Fp8Forward, te.LayerNormLinear):
     """``column_linear(norm(x))`` in one TE module (``LayerNormLinear``)."""
 
     def __init__(self, input_size: int, output_size: int, *, norm: nn.Module, bias: bool, init_std: float, topology,
@@ -179,6 +200,8 @@ class TENormColumnParallelLinear(_Fp8Forward, te.LayerNormLinear):
 
 class _Params(nn.Module):
     """Holds a linear's parameters under mtl's names (``weight``, ``bias``)."""
+
+    mtl_parameter_view = True  # the TE module uses them; this module only names them (wgrad fusion)
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None):
         super().__init__()
@@ -214,6 +237,12 @@ class TENormMLP(nn.Module):
             sum_grad_over_tp(self.linear_fc2.bias, group)
         self._te_recipe = te_recipe_for(fp8)
         self._amax_group = group
+
+    def main_grad_accumulation_params(self) -> list[nn.Parameter]:
+        return [w for w in (self.linear_fc1.weight, self.linear_fc2.weight) if w.requires_grad]
+
+    def enable_main_grad_accumulation(self) -> None:
+        _switch_on_main_grad_accumulation(self.fused, self.main_grad_accumulation_params())
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[s(/tp), b, h] (un-normalised) -> [s(/tp), b, h]."""

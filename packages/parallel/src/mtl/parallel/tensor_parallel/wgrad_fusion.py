@@ -98,13 +98,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 def enable_wgrad_fusion(module: nn.Module) -> int:
     """Fuse the weight-gradient accumulation of every weight in ``module`` whose only holders
     are local tensor-parallel linears with ``F.linear`` as their GEMM (a backend overriding
-    ``local_linear``, e.g. FP8, keeps its own backward). A weight tied to anything else (the
+    ``local_linear``, e.g. FP8, keeps its own backward), or backend modules that accumulate
+    into ``main_grad`` themselves (the contract below). A weight tied to anything else (the
     output layer sharing the word embedding) or to another pipeline stage's copy
     (``shared_embedding``) keeps the hook's path. Returns how many weights were switched on;
-    it takes effect only where the weight also has a ``main_grad``."""
+    it takes effect only where the weight also has a ``main_grad``.
+
+    The contract for another backend's module (e.g. mtl-te's, over Transformer Engine's
+    ``fuse_wgrad_accumulation``): it defines ``main_grad_accumulation_params()``, the weights
+    its own backward can accumulate into ``param.main_grad`` (with an fp32 accumulator) while
+    still returning a gradient tensor for autograd's hooks, and
+    ``enable_main_grad_accumulation()``, which switches that on; this function calls it only
+    when every holder of every such weight (the module, its submodules and parameter views)
+    agrees. A module that merely re-exposes another
+    module's parameters under mtl's names sets ``mtl_parameter_view = True`` and is no
+    holder. Switched on, such a module must find ``param.main_grad`` at every backward (the
+    trainer calls this only with fp32 gradient buffers, which give every weight one)."""
     from mtl.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    def fusable(holder: nn.Module, name: str) -> bool:
+    claimed: dict[int, set[int]] = {}  # param id -> ids of the modules that accumulate it themselves
+    for sub in module.modules():
+        if callable(getattr(sub, "main_grad_accumulation_params", None)):
+            inside = {id(m) for m in sub.modules()}  # the module and its submodules hold them
+            for param in sub.main_grad_accumulation_params():
+                claimed.setdefault(id(param), set()).update(inside)
+
+    def fusable(holder: nn.Module, name: str, param: nn.Parameter) -> bool:
+        if getattr(holder, "mtl_parameter_view", False):
+            return True
+        if id(holder) in claimed.get(id(param), ()):
+            return True
         return name == "weight" and any(
             isinstance(holder, cls) and type(holder).local_linear is cls.local_linear
             for cls in (ColumnParallelLinear, RowParallelLinear)
@@ -114,12 +137,20 @@ def enable_wgrad_fusion(module: nn.Module) -> int:
     params: dict[int, nn.Parameter] = {}
     for sub in module.modules():
         for name, param in sub.named_parameters(recurse=False):
-            holders.setdefault(id(param), []).append(fusable(sub, name))
+            holders.setdefault(id(param), []).append(fusable(sub, name, param))
             params[id(param)] = param
-    count = 0
+    fused: set[int] = set()
     for key, fusable_holders in holders.items():
         param = params[key]
         if all(fusable_holders) and not getattr(param, "shared_embedding", False):
-            param.wgrad_fused = True
-            count += 1
-    return count
+            fused.add(key)
+    for sub in module.modules():
+        if callable(getattr(sub, "main_grad_accumulation_params", None)):
+            mine = [p for p in sub.main_grad_accumulation_params() if id(p) in fused]
+            if mine and len(mine) == len(sub.main_grad_accumulation_params()):
+                sub.enable_main_grad_accumulation()
+            else:  # the module switches all its weights or none: the others keep the hook's path
+                fused.difference_update(id(p) for p in sub.main_grad_accumulation_params())
+    for key in fused:
+        params[key].wgrad_fused = True
+    return len(fused)
