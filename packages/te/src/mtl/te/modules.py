@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mtl.core.errors import ConfigError
+from mtl.core.log import get_logger
 from mtl.core.registrations import Fp8Settings
 from mtl.parallel.random import get_rng_tracker
 from mtl.te.availability import require_te
@@ -33,6 +34,8 @@ require_te()
 
 import transformer_engine.pytorch as te  # noqa: E402
 from transformer_engine.common import recipe as te_recipe  # noqa: E402
+
+log = get_logger(__name__)
 
 
 def te_recipe_for(fp8: Fp8Settings | None):
@@ -114,6 +117,60 @@ class _MainGradAccumulation:
         _switch_on_main_grad_accumulation(self, self.main_grad_accumulation_params())
 
 
+_DELAYED_TENSORS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message)
+
+
+class _Fp8StateAsTensors:
+    """TE's FP8 extra state (delayed scaling's scales and amax histories) as plain tensors.
+
+    TE serialises it as a pickle inside a uint8 tensor and, rightly, refuses to unpickle it
+    unless ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1`` (a pickle can run code). mtl's checkpoints
+    load extra state with ``torch.load(weights_only=True)``, so this state is a dict of
+    tensors and numbers that needs no pickle; the recipe it belongs to is the run's own
+    (``train.fp8``), not one read from the file. Stateless recipes (current, blockwise) and
+    modules that never ran FP8 save TE's empty tensor, as TE does."""
+
+    def get_extra_state(self):
+        meta = self.fp8_meta
+        recipe = meta.get("recipe")
+        if recipe is None or not recipe.delayed() or "scaling_fwd" not in meta:
+            return torch.empty(0, dtype=torch.uint8)
+        fwd, bwd = meta["scaling_fwd"], meta["scaling_bwd"]
+        tensors = (fwd.scale, fwd.amax_history, bwd.scale, bwd.amax_history)
+        state = {name: t.detach().to("cpu", copy=True) for name, t in zip(_DELAYED_TENSORS, tensors)}
+        state["num_gemms"] = int(meta["num_gemms"])
+        return state
+
+    def set_extra_state(self, state) -> None:
+        if not isinstance(state, dict):  # TE's own format: empty, or a pickle TE guards itself
+            return super().set_extra_state(state)
+        recipe = getattr(self, "_te_recipe", None)
+        if recipe is None or not recipe.delayed():
+            _warn_once("recipe", "te backend: the checkpoint holds delayed-scaling FP8 state but train.fp8 is not "
+                                 "'delayed' now; the FP8 state starts fresh")
+            return None
+        self.fp8_meta["num_gemms"] = state["num_gemms"]
+        self.fp8_meta["recipe"] = recipe
+        self.init_fp8_meta_tensors(recipe)  # allocates scales and histories for this recipe
+        fwd, bwd = self.fp8_meta["scaling_fwd"], self.fp8_meta["scaling_bwd"]
+        targets = (fwd.scale, fwd.amax_history, bwd.scale, bwd.amax_history)
+        if any(state[name].shape != t.shape for name, t in zip(_DELAYED_TENSORS, targets)):
+            _warn_once("shape", "te backend: the checkpoint's FP8 amax histories have another length than "
+                                "train.fp8_amax_history_len now; the FP8 state starts fresh")
+            return None
+        with torch.no_grad():
+            for name, target in zip(_DELAYED_TENSORS, targets):
+                target.copy_(state[name])
+        return None
+
+
 class _Fp8Forward:
     """Runs the TE module's forward inside TE's autocast when FP8 is on."""
 
@@ -127,7 +184,7 @@ class _Fp8Forward:
         return _fp8_call(super().forward, self._te_recipe, self._amax_group, x, *args, **kwargs)
 
 
-class TEColumnParallelLinear(_MainGradAccumulation, _Fp8Forward, te.Linear):
+class TEColumnParallelLinear(_MainGradAccumulation, _Fp8StateAsTensors, _Fp8Forward, te.Linear):
     def __init__(self, input_size: int, output_size: int, *, bias: bool, init_std: float, topology,
                  gather_output: bool = False, sequence_parallel: bool = False, stride: int = 1,
                  fp8: Fp8Settings | None = None):
@@ -141,7 +198,7 @@ class TEColumnParallelLinear(_MainGradAccumulation, _Fp8Forward, te.Linear):
         self._setup_fp8(fp8, group)
 
 
-class TERowParallelLinear(_MainGradAccumulation, _Fp8Forward, te.Linear):
+class TERowParallelLinear(_MainGradAccumulation, _Fp8StateAsTensors, _Fp8Forward, te.Linear):
     def __init__(self, input_size: int, output_size: int, *, bias: bool, init_std: float, topology,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, fp8: Fp8Settings | None = None):
         if not input_is_parallel:
@@ -182,7 +239,8 @@ def _share_norm(module: nn.Module, norm: nn.Module) -> None:
         module.layer_norm_bias = norm.bias
 
 
-class TENormColumnParallelLinear(_MainGradAccumulation, _Fp8Forward, te.LayerNormLinear):
+class TENormColumnParallelLinear(_MainGradAccumulation, _Fp8StateAsTensors, _Fp8Forward,
+                                 te.LayerNormLinear):
     """``column_linear(norm(x))`` in one TE module (``LayerNormLinear``)."""
 
     def __init__(self, input_size: int, output_size: int, *, norm: nn.Module, bias: bool, init_std: float, topology,
@@ -209,6 +267,12 @@ class _Params(nn.Module):
         self.bias = bias
 
 
+class _LayerNormMLP(_Fp8StateAsTensors, te.LayerNormMLP):
+    """TE's LayerNormMLP with its FP8 state saved as tensors; ``_te_recipe`` is set by TENormMLP."""
+
+    _te_recipe = None
+
+
 class TENormMLP(nn.Module):
     """The whole MLP block in one TE ``LayerNormMLP``; parameters named as mtl's MLP."""
 
@@ -219,7 +283,7 @@ class TENormMLP(nn.Module):
         tp, group = _tp(topology)
         sp = sequence_parallel and tp > 1
         normalization, eps = _norm_kind(norm)
-        fused = te.LayerNormMLP(hidden_size, ffn_hidden_size, eps=eps, bias=bias, normalization=normalization,
+        fused = _LayerNormMLP(hidden_size, ffn_hidden_size, eps=eps, bias=bias, normalization=normalization,
                                 activation=activation, tp_group=group, tp_size=tp, sequence_parallel=sp,
                                 set_parallel_mode=True, device="cuda")
         _share_norm(fused, norm)
@@ -236,6 +300,7 @@ class TENormMLP(nn.Module):
         if bias and sp:
             sum_grad_over_tp(self.linear_fc2.bias, group)
         self._te_recipe = te_recipe_for(fp8)
+        fused._te_recipe = self._te_recipe
         self._amax_group = group
 
     def main_grad_accumulation_params(self) -> list[nn.Parameter]:
@@ -249,6 +314,15 @@ class TENormMLP(nn.Module):
         if not fp8_shape_ok(hidden, self._te_recipe):
             return self.fused(hidden)
         return _fp8_call(self.fused, self._te_recipe, self._amax_group, hidden)
+
+
+# TE's DotProductAttention selects its kernel again whenever the shapes, mask or training flag
+# change, in code dynamo cannot trace (InternalTorchDynamoError in get_attention_backend, TE
+# 2.20.2 with torch 2.11, H100): an evaluation or a KV-cache generation step inside a compiled
+# layer runs it eagerly. Training keeps one configuration, selected once.
+@torch.compiler.disable
+def _attention_outside_compile(attention, q, k, v, mask):
+    return attention(q, k, v, attn_mask_type=mask)
 
 
 class TECoreAttention(nn.Module):
@@ -274,7 +348,9 @@ class TECoreAttention(nn.Module):
         mask = "no_mask"
         if self.causal:  # a KV-cache step: the queries are the last s_q positions
             mask = "causal" if s_q == k.shape[1] else "causal_bottom_right"
-        if self.dropout > 0 and self.training and self._tp_split:
+        if not self.training:
+            out = _attention_outside_compile(self.attention, q, k, v, mask)
+        elif self.dropout > 0 and self._tp_split:
             with get_rng_tracker().fork():
                 out = self.attention(q, k, v, attn_mask_type=mask)
         else:

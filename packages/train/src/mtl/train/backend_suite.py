@@ -105,6 +105,25 @@ def test_checkpoint_round_trip(backend_case: BackendCase, tmp_path) -> None:
     assert saved.keys() == resumed.keys()
     for name in saved:
         assert torch.equal(saved[name], resumed[name]), name
+    # and every module's extra state (Transformer Engine's delayed-scaling scales and histories)
+    from mtl.train.extra_state import modules_with_extra_state  # noqa: PLC0415
+
+    ended = modules_with_extra_state([_model(straight)])
+    again = modules_with_extra_state([_model(second)])
+    assert ended.keys() == again.keys()
+    for name, module in ended.items():
+        _assert_same_state(module.get_extra_state(), again[name].get_extra_state(), f"{backend_case.name} {name}")
+
+
+def _assert_same_state(a, b, where: str) -> None:
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            _assert_same_state(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    else:
+        assert a == b, where
 
 
 def _model(result):

@@ -12,8 +12,9 @@ length, the bytes, then zero padding to ``n``, the longest row over the ranks (o
 all-reduce). The row is restored, on a resume or a weights-only load, where the layout is
 the same: world size, tp, pp, vpp, cp, ep (``checkpointing.EXTRA_STATE_LAYOUT_KEYS``).
 Elsewhere the modules keep their fresh state, and one log line says so. Loading uses
-``torch.load(weights_only=True)``: an extra state must be tensors and plain containers, as
-Transformer Engine's is (a uint8 tensor); one that is not starts fresh, with the reason."""
+``torch.load(weights_only=True)``: an extra state must be tensors, numbers and plain
+containers (mtl-te saves TE's delayed-scaling state that way, not as TE's own pickle); one
+that is not starts fresh, with the reason."""
 
 from __future__ import annotations
 
