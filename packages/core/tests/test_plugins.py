@@ -73,3 +73,31 @@ def test_tokenizer_record_is_frozen():
     spec = TokenizerSpec("x", build=lambda path: None)
     with pytest.raises(Exception):
         spec.name = "y"
+
+
+class EagerFp8Plugin:
+    """A backend whose FP8 modules do not compile (``fp8_compiles=False``, as mtl-te's)."""
+
+    @hookimpl
+    def mtl_backends(self):
+        backend = _backend("eager-fp8")
+        return [Backend(**{**backend.__dict__, "fp8_recipes": ("current",), "fp8_compiles": False})]
+
+
+@pytest.mark.parametrize("given, fp8, expected", [
+    (None, "current", False),  # derived: off for this backend's FP8
+    (None, "none", True),  # derived: on (a CUDA run), FP8 off
+    (True, "current", True),  # given: kept
+])
+def test_compile_default_off_for_a_backend_whose_fp8_does_not_compile(given, fp8, expected):
+    from mtl.core.config_io import load_config
+
+    plugin = EagerFp8Plugin()
+    plugins.register_plugin(plugin, name="eager-fp8")
+    try:
+        overrides = ["model.backend='eager-fp8'", f"train.fp8='{fp8}'", "train.device='cuda'"]
+        if given is not None:
+            overrides.append(f"train.compile={str(given).lower()}")
+        assert load_config(None, overrides).resolve(tokenizer_vocab_size=257).train.compile is expected
+    finally:
+        plugins.unregister_plugin(plugin)

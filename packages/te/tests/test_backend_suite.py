@@ -19,9 +19,10 @@ CASES = [
     BackendCase("te-bf16", TE, loss_rtol=1e-2, grad_rel=5e-2, logits_atol=5e-2, layouts=LAYOUTS, device="cuda"),
     BackendCase("te-fp8-current", [*TE, "train.fp8='current'"], loss_rtol=1e-2, grad_rel=1e-1, logits_atol=2e-1,
                 layouts=LAYOUTS, device="cuda"),
-    # train.compile is on by default on a GPU (the cases above); these pin it off and on for
-    # FP8, whose TE modules run eagerly inside a compiled layer (modules.py, _fp8_call)
-    BackendCase("te-fp8-current-eager", [*TE, "train.fp8='current'", "train.compile=false"], loss_rtol=1e-2,
+    # train.compile defaults to on on a GPU, but off for te FP8 (Backend.fp8_compiles): the
+    # case above runs eagerly; these pin it on, the FP8 TE modules then running eagerly inside
+    # a compiled layer (modules.py, _fp8_call)
+    BackendCase("te-fp8-current-compiled", [*TE, "train.fp8='current'", "train.compile=true"], loss_rtol=1e-2,
                 grad_rel=1e-1, logits_atol=2e-1, layouts=LAYOUTS, device="cuda"),
     BackendCase("te-fp8-delayed-compiled", [*TE, "train.fp8='delayed'", "train.compile=true"], loss_rtol=1e-2,
                 grad_rel=1e-1, logits_atol=2e-1, layouts=LAYOUTS, device="cuda"),

@@ -153,7 +153,8 @@ class TrainConfig:
     min_loss_scale: float = 1.0
     recompute: str = "none"
     # regional torch.compile of each transformer layer; derived: on where the run uses CUDA
-    # (1.41x faster on the H100 reference model, benchmarks/RESULTS.md), off on CPU
+    # (1.41x faster on the H100 reference model, benchmarks/RESULTS.md), off on CPU, and off
+    # for FP8 on a backend whose FP8 modules do not compile (Backend.fp8_compiles, e.g. te)
     compile: bool | None = None
     device: str = "auto"  # auto | cpu | cuda
     # a NaN/Inf loss or gradient norm stops the run; N > 0 skips (no update) up to N such steps
@@ -239,8 +240,9 @@ class RunConfig:
 
         _resolve_parallel(p, world_size, m)
         _resolve_model(m, p, tokenizer_vocab_size)
+        compile_unset = t.compile is None
         _resolve_train(t, p)
-        _check_backend(m, t)
+        _check_backend(m, t, compile_unset)
         cfg.resolved = True
         return cfg
 
@@ -482,9 +484,11 @@ def _resolve_train(t: TrainConfig, p: ParallelConfig) -> None:
         raise ConfigError(f"train.wsd_decay_fraction = {t.wsd_decay_fraction} must be in [0, 1]")
 
 
-def _check_backend(m: ModelConfig, t: TrainConfig) -> None:
+def _check_backend(m: ModelConfig, t: TrainConfig, compile_unset: bool = False) -> None:
     """The selected backend can run here and implements the FP8 recipe asked for. Only a
-    backend that is registered is asked (a missing one is named when the model is built)."""
+    backend that is registered is asked (a missing one is named when the model is built).
+    ``compile_unset``: ``train.compile`` was derived, not given, so the backend's
+    ``fp8_compiles = False`` may turn it off for an FP8 run."""
     from mtl.core.plugins import registry  # noqa: PLC0415 (plugins imports the hookspecs, not config)
 
     if t.fp8 != "none" and t.fp8_amax_history_len < 1:
@@ -503,3 +507,5 @@ def _check_backend(m: ModelConfig, t: TrainConfig) -> None:
             f"train.fp8 = '{t.fp8}' is not a recipe of model.backend = '{m.backend}' (it has: "
             f"{', '.join(backend.fp8_recipes) or 'no FP8'}){offer}; set train.fp8 = 'none' or change model.backend"
         )
+    if compile_unset and t.fp8 != "none" and not backend.fp8_compiles:
+        t.compile = False  # its FP8 modules stay eager: graph breaks around each cost more than compile gains

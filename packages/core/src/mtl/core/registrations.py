@@ -62,6 +62,11 @@ class Backend:
     histories) is held in parameters with ``requires_grad = False``: the model-state
     checkpoint carries them, the optimizer and gradient buffers skip them.
 
+    ``fp8_compiles`` (default True): False where the backend's FP8 modules cannot be traced by
+    torch.compile and run eagerly between graph breaks, which costs more than compiling the
+    rest gains; ``train.compile`` then defaults to off when ``train.fp8`` is set (an explicit
+    ``train.compile = true`` is kept).
+
     ``check_available() -> None`` (optional) raises ``mtl.core.errors.NotInstalledError`` with
     one line naming what to install when the backend cannot run in this environment (e.g.
     Transformer Engine missing); ``RunConfig.resolve`` calls it for the selected backend.
@@ -77,6 +82,7 @@ class Backend:
     norm_mlp: Callable[..., Any] | None = None
     fp8_recipes: tuple[str, ...] = ()
     check_available: Callable[[], None] | None = None
+    fp8_compiles: bool = True
 
 
 FP8_RECIPES = ("current", "delayed", "rowwise", "blockwise")

@@ -21,6 +21,9 @@ TE_BACKEND = Backend(
     norm_mlp=factories.norm_mlp,
     fp8_recipes=("current", "delayed", "blockwise"),
     check_available=require_te,
+    # TE's FP8 autocast does not trace (modules.py, _fp8_call): on the H100 reference model a
+    # compiled FP8 step took 1.69 s against 1.32 s eager (benchmarks/RESULTS.md)
+    fp8_compiles=False,
     description="Transformer Engine: Linear, LayerNormLinear, LayerNormMLP, RMSNorm/LayerNorm, DotProductAttention; FP8 recipes",
 )
 
