@@ -1,0 +1,103 @@
+"""Run a command and report the GPU's SM clock, power and throttle reasons while it ran
+(issue 11: are the step's GEMMs slower than alone because the device is at its power limit?).
+
+    python3 benchmarks/gpu/gpu_clocks.py [--label NAME] [--out FILE] -- COMMAND ...
+
+Samples ``nvidia-smi`` every 100 ms during COMMAND and summarises the samples with the GPU
+busy (utilisation at least 90%): median and 10th percentile of the SM clock, median power
+against the limit, and how often each throttle reason was active. The summary is printed and,
+with ``--out``, appended to FILE as one markdown table row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+def fields() -> tuple[str, ...]:
+    """The query fields; newer drivers call the throttle reasons ``clocks_event_reasons``."""
+    prefix = "clocks_throttle_reasons"
+    probe = subprocess.run(["nvidia-smi", "--query-gpu=clocks_event_reasons.sw_power_cap", "--format=csv,noheader"],
+                           capture_output=True, text=True)
+    if probe.returncode == 0:
+        prefix = "clocks_event_reasons"
+    return ("utilization.gpu", "clocks.sm", "clocks.max.sm", "power.draw", "power.limit", "temperature.gpu",
+            f"{prefix}.sw_power_cap", f"{prefix}.hw_slowdown", f"{prefix}.sw_thermal_slowdown")
+
+
+NUM_FIELDS = 9
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text.strip().split()[0])
+    except (ValueError, IndexError):
+        return None
+
+
+def summarise(lines: list[str]) -> dict:
+    busy = []
+    for line in lines:
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) != NUM_FIELDS:
+            continue
+        util = _number(cells[0])
+        if util is not None and util >= 90:
+            busy.append(cells)
+    if not busy:
+        return {"samples": 0}
+    clocks = sorted(_number(c[1]) for c in busy)
+    power = [_number(c[3]) for c in busy]
+    active = {name: sum(c[i].lower() == "active" for c in busy) / len(busy)
+              for i, name in ((6, "power cap"), (7, "hw slowdown"), (8, "thermal"))}
+    return {
+        "samples": len(busy),
+        "sm_clock_median": statistics.median(clocks),
+        "sm_clock_p10": clocks[len(clocks) // 10],
+        "sm_clock_max": _number(busy[0][2]),
+        "power_median": statistics.median(power),
+        "power_limit": _number(busy[0][4]),
+        "temperature_max": max(_number(c[5]) for c in busy),
+        "throttled": active,
+    }
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if "--" not in argv:
+        raise SystemExit(__doc__)
+    split = argv.index("--")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--label", default="command")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv[:split])
+    command = argv[split + 1:]
+    sampler = subprocess.Popen(
+        ["nvidia-smi", f"--query-gpu={','.join(fields())}", "--format=csv,noheader", "-lms", "100"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        rc = subprocess.call(command)
+    finally:
+        sampler.terminate()
+        out, _ = sampler.communicate()
+    s = summarise(out.splitlines())
+    if not s["samples"]:
+        line = f"| {args.label} | no busy samples | | | | |"
+    else:
+        throttled = ", ".join(f"{k} {v:.0%}" for k, v in s["throttled"].items() if v > 0) or "none"
+        line = (f"| {args.label} | {s['sm_clock_median']:.0f} (p10 {s['sm_clock_p10']:.0f}, max {s['sm_clock_max']:.0f}) "
+                f"| {s['power_median']:.0f} / {s['power_limit']:.0f} W | {s['temperature_max']:.0f} C "
+                f"| {throttled} | {s['samples']} |")
+    print("| run | SM clock MHz, busy samples | power / limit | max temp | throttle reasons active | samples |")
+    print(line)
+    if args.out:
+        with args.out.open("a") as f:
+            f.write(line + "\n")
+    sys.exit(rc)
+
+
+if __name__ == "__main__":
+    main()
