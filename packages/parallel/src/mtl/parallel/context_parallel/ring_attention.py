@@ -7,14 +7,18 @@ at step ``i`` rank ``r`` holds the keys/values of rank ``j = (r - i) mod cp``. T
 of a (query rank r, key rank j) pair follows from the chunk order
 ``j < r < 2cp-1-r < 2cp-1-j`` (for j < r) and ``r < j, 2cp-1-j < 2cp-1-r`` (for j > r):
 
-    j == r: lower-triangular over the local sequence: first q chunk against first k/v chunk,
-            second q chunk against both (the first q chunk against the second k/v is skipped)
+    j == r: lower-triangular over the local sequence: each q chunk against its own k/v chunk
+            (causal), the second q chunk against the first k/v chunk (full); the first q
+            chunk against the second k/v chunk is all masked and skipped
     j <  r: both chunks of q against the first chunk of k/v, no mask (the second is in the future)
     j >  r: the second chunk of q against both chunks of k/v, no mask (the first q chunk is earlier)
 
 The backward pass runs the ring again: k/v travel as in the forward, and each block's dK/dV
 accumulator travels with it, collecting every rank's contribution; one last hop delivers it
 home. Only q, k, v, the output and the log-sum-exp are kept for backward (memory bounded).
+
+Every piece is a full block or a square causal one, so on CUDA in bf16/fp16 the pieces run on
+the flash-attention kernels (``flash_blocks.py``); elsewhere on the einsum path.
 """
 
 from __future__ import annotations
@@ -28,6 +32,11 @@ from mtl.parallel.context_parallel.block_attention import (
     block_forward,
     compute_dtype,
     merge_partial,
+)
+from mtl.parallel.context_parallel.flash_blocks import (
+    flash_block_backward,
+    flash_block_forward,
+    flash_blocks_supported,
 )
 from mtl.parallel.topology import Topology
 
@@ -58,15 +67,13 @@ class CpRing:
 
 def _block_plan(q_rank: int, kv_rank: int, chunk: int, causal: bool) -> list[tuple[slice, slice, int | None]]:
     """The pieces of one block pair to compute: (query rows, key rows, mask offset) of the local
-    sequence, the mask offset as ``block_attention`` reads it (None: no mask)."""
+    sequence, the mask offset as ``block_attention`` reads it (None: no mask, 0: square causal)."""
     everything = slice(None)
     first, second = slice(0, chunk), slice(chunk, 2 * chunk)
     if not causal:
         return [(everything, everything, None)]
     if kv_rank == q_rank:
-        # Lower-triangular over the 2c local tokens, without the all-masked quarter
-        # (first q chunk against second k/v chunk).
-        return [(first, first, 0), (second, everything, chunk)]
+        return [(first, first, 0), (second, first, None), (second, second, 0)]
     if kv_rank < q_rank:
         return [(everything, first, None)]
     return [(second, everything, None)]
@@ -88,6 +95,7 @@ class RingAttention(torch.autograd.Function):
         out = torch.zeros(b, s_local, heads, d, dtype=dtype, device=q.device)
         lse = torch.full((b, heads, s_local), float("-inf"), dtype=dtype, device=q.device)
         kv = torch.stack([k, v]).contiguous()  # [2, b, s_local, groups, d]
+        fused = flash_blocks_supported(q)
         for step in range(ring.size):
             kv_rank = (ring.rank - step) % ring.size
             pending, next_kv = [], None
@@ -95,9 +103,14 @@ class RingAttention(torch.autograd.Function):
                 next_kv = torch.empty_like(kv)
                 pending = ring.exchange(kv, next_kv, _KV_TAG)
             for rows, keys, mask_offset in _block_plan(ring.rank, kv_rank, chunk, causal):
-                part_out, part_lse = block_forward(
-                    q[:, rows], kv[0][:, keys], kv[1][:, keys], scale, mask_offset
-                )
+                if fused:
+                    part_out, part_lse = flash_block_forward(
+                        q[:, rows], kv[0][:, keys], kv[1][:, keys], scale, causal=mask_offset == 0
+                    )
+                else:
+                    part_out, part_lse = block_forward(
+                        q[:, rows], kv[0][:, keys], kv[1][:, keys], scale, mask_offset
+                    )
                 out[:, rows], lse[:, :, rows] = merge_partial(
                     out[:, rows], lse[:, :, rows], part_out, part_lse
                 )
@@ -116,9 +129,13 @@ class RingAttention(torch.autograd.Function):
         ring, causal, scale = ctx.ring, ctx.causal, ctx.scale
         chunk = q.size(1) // 2
         dtype = compute_dtype(q.dtype)
-        dout = dout.to(dtype)
-        # delta = rowsum(dO * O): [b, s_local, heads] -> [b, heads, s_local]
-        delta = (dout * out.to(dtype)).sum(-1).transpose(1, 2)
+        fused = flash_blocks_supported(q)
+        if fused:
+            dout = dout.to(q.dtype).contiguous()
+        else:
+            dout = dout.to(dtype)
+            # delta = rowsum(dO * O): [b, s_local, heads] -> [b, heads, s_local]
+            delta = (dout * out.to(dtype)).sum(-1).transpose(1, 2)
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         dkv_pending: list = []
@@ -131,10 +148,16 @@ class RingAttention(torch.autograd.Function):
                 kv_pending = ring.exchange(kv, next_kv, _KV_TAG)
             kv_grads = []  # (key rows, dk part, dv part), added once the accumulator arrives
             for rows, keys, mask_offset in _block_plan(ring.rank, kv_rank, chunk, causal):
-                dq_part, dk_part, dv_part = block_backward(
-                    dout[:, rows], delta[:, :, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys],
-                    lse[:, :, rows], scale, mask_offset,
-                )
+                if fused:
+                    dq_part, dk_part, dv_part = flash_block_backward(
+                        dout[:, rows], out[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys],
+                        lse[:, :, rows], scale, causal=mask_offset == 0,
+                    )
+                else:
+                    dq_part, dk_part, dv_part = block_backward(
+                        dout[:, rows], delta[:, :, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys],
+                        lse[:, :, rows], scale, mask_offset,
+                    )
                 dq[:, rows] += dq_part
                 kv_grads.append((keys, dk_part, dv_part))
             _wait(dkv_pending)  # the previous rank's accumulator arrived during the compute

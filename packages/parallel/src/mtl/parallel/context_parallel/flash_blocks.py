@@ -1,0 +1,72 @@
+"""The block attention of ring attention on fused CUDA kernels (bf16/fp16).
+
+Same contract as ``block_attention.block_forward``/``block_backward`` for the two kinds of
+block pair the ring computes, a full block (no mask) and a square diagonal block (causal),
+but through PyTorch's flash-attention operators, which return the log-sum-exp and accept
+the *final* output and log-sum-exp in backward, as ring attention needs. The einsum path
+materialises fp32 score matrices; this one keeps attention on tensor cores at bf16.
+
+Grouped-query attention: key/value groups are repeated to the query heads for the kernel and
+their gradients summed back over the heads that share a group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_aten = torch.ops.aten
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def flash_blocks_supported(q: torch.Tensor) -> bool:
+    """True where the flash kernels apply: CUDA, half precision, head dim a multiple of 8 up to 256."""
+    head_dim = q.size(-1)
+    return q.is_cuda and q.dtype in _HALF and head_dim % 8 == 0 and head_dim <= 256
+
+
+def _heads_first(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[b, s, groups, d] -> [b, heads, s, d], repeating each group for its query heads."""
+    groups = x.size(2)
+    if groups != heads:
+        x = x.repeat_interleave(heads // groups, dim=2)
+    return x.transpose(1, 2)
+
+
+def flash_block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out ``[b, sq, heads, d]`` fp32, lse ``[b, heads, sq]`` fp32) of q against one k/v block."""
+    heads = q.size(2)
+    out, lse, *_ = _aten._scaled_dot_product_flash_attention(
+        q.transpose(1, 2), _heads_first(k, heads), _heads_first(v, heads), 0.0, causal, False, scale=scale
+    )
+    return out.transpose(1, 2).float(), lse.float()
+
+
+def flash_block_backward(
+    dout: torch.Tensor,
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of this block pair's share, fp32; ``out`` and ``lse`` are the final output
+    and log-sum-exp over all keys (the kernel derives rowsum(dO * O) from them)."""
+    b, sq, heads, d = q.shape
+    groups, sk = k.size(2), k.size(1)
+    dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+        dout.transpose(1, 2), q.transpose(1, 2), _heads_first(k, heads), _heads_first(v, heads),
+        out.transpose(1, 2), lse.contiguous(),
+        None, None, sq, sk,  # no variable-length batch: cumulative lengths undefined
+        0.0, causal,
+        torch.empty(2, dtype=torch.int64, device=q.device), torch.empty((), dtype=torch.int64, device=q.device),
+        scale=scale,
+    )
+    dk, dv = dk.transpose(1, 2).float(), dv.transpose(1, 2).float()  # [b, sk, heads, d]
+    if groups != heads:
+        dk = dk.reshape(b, sk, groups, heads // groups, d).sum(3)
+        dv = dv.reshape(b, sk, groups, heads // groups, d).sum(3)
+    return dq.transpose(1, 2).float(), dk, dv

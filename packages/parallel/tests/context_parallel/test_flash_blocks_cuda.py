@@ -1,0 +1,70 @@
+"""The fused (flash) block path of ring attention against float64 attention, on one GPU.
+
+Keys are split into two blocks as the ring would deliver them; the partial outputs are
+merged with the log-sum-exp, and the backward of each block uses the *final* output and
+log-sum-exp. The sum over blocks must equal full attention's output and gradients."""
+
+import pytest
+import torch
+
+from mtl.parallel.context_parallel.block_attention import merge_partial
+from mtl.parallel.context_parallel.flash_blocks import (
+    flash_block_backward,
+    flash_block_forward,
+    flash_blocks_supported,
+)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash kernels need CUDA")
+
+B, S, D = 2, 128, 64
+
+
+def reference(q, k, v, dout, causal, scale):
+    """float64 attention and its q/k/v gradients; k/v groups repeated to the query heads."""
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    rep = q.size(2) // k.size(2)
+    kk, vv = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), vv)
+    out.backward(dout.double())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("groups", [4, 2])
+@pytest.mark.parametrize("causal", [True, False])
+def test_two_key_blocks_merge_to_full_attention(causal, groups):
+    torch.manual_seed(0)
+    heads, half = 4, S // 2
+    q = torch.randn(B, S, heads, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, S, groups, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dout = torch.randn(B, S, heads, D, device="cuda", dtype=torch.bfloat16)
+    scale = D**-0.5
+    assert flash_blocks_supported(q)
+    # The ring's pieces for causal attention over [first half | second half] of the keys:
+    # rows of the first half see the first key block causally; rows of the second half see the
+    # first key block fully and the second causally. Without a mask: every row, both blocks.
+    first, second, rows = slice(0, half), slice(half, S), slice(None)
+    if causal:
+        pieces = [(first, first, True), (second, first, False), (second, second, True)]
+    else:
+        pieces = [(rows, first, False), (rows, second, False)]
+    out = torch.zeros(B, S, heads, D, device="cuda")
+    lse = torch.full((B, heads, S), float("-inf"), device="cuda")
+    for r, keys, is_causal in pieces:
+        part_out, part_lse = flash_block_forward(q[:, r], k[:, keys], v[:, keys], scale, is_causal)
+        out[:, r], lse[:, :, r] = merge_partial(out[:, r], lse[:, :, r], part_out, part_lse)
+    final = out.to(torch.bfloat16)
+    dq = torch.zeros(q.shape, device="cuda")
+    dk, dv = torch.zeros(k.shape, device="cuda"), torch.zeros(v.shape, device="cuda")
+    for r, keys, is_causal in pieces:
+        dq_p, dk_p, dv_p = flash_block_backward(dout[:, r], final[:, r], q[:, r], k[:, keys], v[:, keys],
+                                                lse[:, :, r], scale, is_causal)
+        dq[:, r] += dq_p
+        dk[:, keys] += dk_p
+        dv[:, keys] += dv_p
+    ref_out, ref_dq, ref_dk, ref_dv = reference(q, k, v, dout, causal, scale)
+    # bf16 inputs: results agree to bf16 rounding of values of order one
+    for name, got, want in [("out", out, ref_out), ("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv)]:
+        torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=3e-2, msg=lambda m, n=name: f"{n}: {m}")
