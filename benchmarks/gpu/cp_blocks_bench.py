@@ -1,0 +1,102 @@
+"""Ring attention's compute on one GPU, without the exchange (issue 11, context parallelism):
+what one cp rank computes per layer, on the flash-kernel blocks against the einsum blocks,
+beside one GPU's SDPA over the whole sequence.
+
+    python3 benchmarks/gpu/cp_blocks_bench.py [--seq 8192] [--cp 2] [--batch 2] [--heads 16] [--iters 10]
+
+``RingAttention`` runs with a loopback ring: each "exchange" copies the block the rank sends
+into the buffer it receives (one device, no peer), so the rank computes exactly the block pairs
+of its real ring position (``--rank``; every rank by default). Times are forward + backward per
+call, in ms (CUDA events, mean of ``--iters``). The ideal for cp ranks is the full-sequence
+SDPA time divided by cp.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from mtl.parallel.context_parallel import flash_blocks
+from mtl.parallel.context_parallel.ring_attention import RingAttention
+
+
+class LoopbackRing:
+    """A cp ring position on one device: ``exchange`` copies instead of sending."""
+
+    def __init__(self, size: int, rank: int):
+        self.size, self.rank = size, rank
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
+        recv.copy_(send)
+        return []
+
+
+def timed(fn, iters: int) -> float:
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--cp", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--rank", type=int, default=None)
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args()
+    b, h, d, s_local = args.batch, args.heads, args.head_dim, args.seq // args.cp
+    scale = d ** -0.5
+    dtype = torch.bfloat16
+
+    def make(s):
+        return [torch.randn(b, s, h, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)]
+
+    q, k, v = make(args.seq)
+    dout = torch.randn_like(q)
+
+    def full():
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True, scale=scale)
+        out.transpose(1, 2).backward(dout)
+
+    full_ms = timed(full, args.iters)
+    print(f"seq {args.seq}, batch {b}, heads {h}, head dim {d}, bf16, {torch.cuda.get_device_name()}")
+    print(f"one GPU, SDPA over the whole sequence: {full_ms:.2f} ms fwd+bwd; ideal per cp rank: "
+          f"{full_ms / args.cp:.2f} ms")
+    print("| cp rank | flash blocks ms | einsum blocks ms | flash / ideal |")
+    print("|---|---|---|---|")
+    ql, kl, vl = make(s_local)
+    dl = torch.randn_like(ql)
+    for rank in ([args.rank] if args.rank is not None else range(args.cp)):
+        ring = LoopbackRing(args.cp, rank)
+
+        def ring_step():
+            RingAttention.apply(ql, kl, vl, ring, True, scale).backward(dl)
+
+        flash_ms = timed(ring_step, args.iters)
+        supported = flash_blocks.flash_blocks_supported
+        flash_blocks.flash_blocks_supported = lambda t: False  # the einsum path, for comparison
+        import mtl.parallel.context_parallel.ring_attention as ring_module
+        ring_module.flash_blocks_supported = flash_blocks.flash_blocks_supported
+        try:
+            einsum_ms = timed(ring_step, max(2, args.iters // 5))
+        finally:
+            flash_blocks.flash_blocks_supported = supported
+            ring_module.flash_blocks_supported = supported
+        print(f"| {rank} | {flash_ms:.2f} | {einsum_ms:.2f} | {flash_ms / (full_ms / args.cp):.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
