@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--rank", type=int, default=None)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--profile", action="store_true", help="also list the flash path's kernels (rank 0)")
     args = ap.parse_args()
     b, h, d, s_local = args.batch, args.heads, args.head_dim, args.seq // args.cp
     scale = d ** -0.5
@@ -96,6 +97,28 @@ def main() -> None:
             flash_blocks.flash_blocks_supported = supported
             ring_module.flash_blocks_supported = supported
         print(f"| {rank} | {flash_ms:.2f} | {einsum_ms:.2f} | {flash_ms / (full_ms / args.cp):.2f}x |")
+        if args.profile and rank == 0:
+            profiled = kernel_table(ring_step)
+    if args.profile:
+        print("\nflash path, cp rank 0, kernels per call (ms, launches):")
+        print(profiled)
+
+
+def kernel_table(fn, calls: int = 5, rows: int = 20) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = [(e.self_device_time_total / calls / 1e3, e.count // calls, e.key) for e in prof.key_averages()
+              if e.self_device_time_total > 0]
+    events.sort(reverse=True)
+    total = sum(ms for ms, _, _ in events)
+    lines = [f"total {total:.3f} ms"] + [f"  {ms:7.3f}  x{n:<4d} {key[:100]}" for ms, n, key in events[:rows]]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
