@@ -19,7 +19,7 @@ from mtl.parallel.context_parallel import (
     gather_from_context_parallel,
     split_for_context_parallel,
 )
-from mtl.parallel.context_parallel.block_attention import block_forward, merge_partial
+from mtl.parallel.context_parallel.block_attention import block_forward, merge_partial, merge_partial_into
 from mtl.parallel.context_parallel.ring_attention import _block_plan
 from mtl.parallel.topology import Topology
 
@@ -46,10 +46,16 @@ def test_merging_key_blocks_equals_softmax_over_all_keys():
     full_out, full_lse = block_forward(q, k, v, 0.5, None)
     out = torch.zeros_like(full_out)
     lse = torch.full_like(full_lse, float("-inf"))
+    into_out, into_lse = out.clone(), lse.clone()
     for keys in (slice(0, 3), slice(3, 7), slice(7, 10)):
-        out, lse = merge_partial(out, lse, *block_forward(q, k[:, keys], v[:, keys], 0.5, None))
+        part = block_forward(q, k[:, keys], v[:, keys], 0.5, None)
+        out, lse = merge_partial(out, lse, *part)
+        merge_partial_into(into_out[:, 1:], into_lse[:, :, 1:], part[0][:, 1:], part[1][:, :, 1:])  # views, as the ring
+        merge_partial_into(into_out[:, :1], into_lse[:, :, :1], part[0][:, :1], part[1][:, :, :1])
     torch.testing.assert_close(out, full_out, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(lse, full_lse, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(into_out, full_out, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(into_lse, full_lse, atol=1e-12, rtol=1e-12)
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])

@@ -100,3 +100,15 @@ def merge_partial(
     old_weight = torch.exp(lse - new_lse).transpose(1, 2).unsqueeze(-1)
     part_weight = torch.exp(part_lse - new_lse).transpose(1, 2).unsqueeze(-1)
     return out * old_weight + part_out * part_weight, new_lse
+
+
+def merge_partial_into(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
+    """``merge_partial`` written into ``out`` and ``lse`` (views of the ring's running output and
+    log-sum-exp), without the intermediate full-size results: the ring merges every piece of
+    every step, and each pass over its fp32 output costs as much as a small attention block.
+    ``part_out`` may be in a lower precision than ``out`` (it is promoted as it is read)."""
+    new_lse = torch.logaddexp(lse, part_lse)
+    old_weight = torch.exp(lse - new_lse).transpose(1, 2).unsqueeze(-1)
+    part_weight = torch.exp(part_lse - new_lse).transpose(1, 2).unsqueeze(-1)
+    out.mul_(old_weight).addcmul_(part_out, part_weight)
+    lse.copy_(new_lse)

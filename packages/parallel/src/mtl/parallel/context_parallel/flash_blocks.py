@@ -35,12 +35,14 @@ def _heads_first(x: torch.Tensor, heads: int) -> torch.Tensor:
 def flash_block_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out ``[b, sq, heads, d]`` fp32, lse ``[b, heads, sq]`` fp32) of q against one k/v block."""
+    """(out ``[b, sq, heads, d]`` in q's dtype, lse ``[b, heads, sq]`` fp32) of q against one k/v
+    block. The out is a view of the kernel's ``[b, heads, sq, d]`` result: the merge reads it
+    into its fp32 running output directly (no separate fp32 copy per piece)."""
     heads = q.size(2)
     out, lse, *_ = _aten._scaled_dot_product_flash_attention(
         q.transpose(1, 2), _heads_first(k, heads), _heads_first(v, heads), 0.0, causal, False, scale=scale
     )
-    return out.transpose(1, 2).float(), lse.float()
+    return out.transpose(1, 2), lse.float()
 
 
 def flash_block_backward(
@@ -53,8 +55,10 @@ def flash_block_backward(
     scale: float,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of this block pair's share, fp32; ``out`` and ``lse`` are the final output
-    and log-sum-exp over all keys (the kernel derives rowsum(dO * O) from them)."""
+    """(dq, dk, dv) of this block pair's share, in q's dtype (GQA's dk, dv: summed over the heads
+    of a group in fp32), as views the ring adds into its fp32 accumulators; ``out`` and ``lse``
+    are the final output and log-sum-exp over all keys (the kernel derives rowsum(dO * O) from
+    them)."""
     b, sq, heads, d = q.shape
     groups, sk = k.size(2), k.size(1)
     dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
@@ -65,8 +69,8 @@ def flash_block_backward(
         torch.empty(2, dtype=torch.int64, device=q.device), torch.empty((), dtype=torch.int64, device=q.device),
         scale=scale,
     )
-    dk, dv = dk.transpose(1, 2).float(), dv.transpose(1, 2).float()  # [b, sk, heads, d]
+    dk, dv = dk.transpose(1, 2), dv.transpose(1, 2)  # [b, sk, heads, d]
     if groups != heads:
-        dk = dk.reshape(b, sk, groups, heads // groups, d).sum(3)
-        dv = dv.reshape(b, sk, groups, heads // groups, d).sum(3)
-    return dq.transpose(1, 2).float(), dk, dv
+        dk = dk.reshape(b, sk, groups, heads // groups, d).sum(3, dtype=torch.float32)
+        dv = dv.reshape(b, sk, groups, heads // groups, d).sum(3, dtype=torch.float32)
+    return dq.transpose(1, 2), dk, dv

@@ -31,7 +31,7 @@ from mtl.parallel.context_parallel.block_attention import (
     block_backward,
     block_forward,
     compute_dtype,
-    merge_partial,
+    merge_partial_into,
 )
 from mtl.parallel.context_parallel.flash_blocks import (
     flash_block_backward,
@@ -111,9 +111,7 @@ class RingAttention(torch.autograd.Function):
                     part_out, part_lse = block_forward(
                         q[:, rows], kv[0][:, keys], kv[1][:, keys], scale, mask_offset
                     )
-                out[:, rows], lse[:, :, rows] = merge_partial(
-                    out[:, rows], lse[:, :, rows], part_out, part_lse
-                )
+                merge_partial_into(out[:, rows], lse[:, :, rows], part_out, part_lse)
             _wait(pending)
             if next_kv is not None:
                 kv = next_kv
