@@ -1,4 +1,5 @@
-"""The fused (flash) block path of ring attention against float64 attention, on one GPU.
+"""The fused block path of ring attention (cuDNN and FlashAttention-2 kernels) against float64
+attention, on one GPU.
 
 Keys are split into two blocks as the ring would deliver them; the partial outputs are
 merged with the log-sum-exp, and the backward of each block uses the *final* output and
@@ -9,6 +10,7 @@ import torch
 
 from mtl.parallel.context_parallel.block_attention import merge_partial
 from mtl.parallel.context_parallel.flash_blocks import (
+    default_kernel,
     flash_block_backward,
     flash_block_forward,
     flash_blocks_supported,
@@ -32,9 +34,17 @@ def reference(q, k, v, dout, causal, scale):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def kernels():
+    """FlashAttention-2 everywhere; cuDNN's where the ring would pick it (Hopper)."""
+    if not torch.cuda.is_available():
+        return ["flash"]
+    return sorted({"flash", default_kernel(torch.empty(1, device="cuda"))})
+
+
+@pytest.mark.parametrize("kernel", kernels())
 @pytest.mark.parametrize("groups", [4, 2])
 @pytest.mark.parametrize("causal", [True, False])
-def test_two_key_blocks_merge_to_full_attention(causal, groups):
+def test_two_key_blocks_merge_to_full_attention(causal, groups, kernel):
     torch.manual_seed(0)
     heads, half = 4, S // 2
     q = torch.randn(B, S, heads, D, device="cuda", dtype=torch.bfloat16)
@@ -53,14 +63,14 @@ def test_two_key_blocks_merge_to_full_attention(causal, groups):
     out = torch.zeros(B, S, heads, D, device="cuda")
     lse = torch.full((B, heads, S), float("-inf"), device="cuda")
     for r, keys, is_causal in pieces:
-        part_out, part_lse = flash_block_forward(q[:, r], k[:, keys], v[:, keys], scale, is_causal)
+        part_out, part_lse = flash_block_forward(q[:, r], k[:, keys], v[:, keys], scale, is_causal, kernel)
         out[:, r], lse[:, :, r] = merge_partial(out[:, r], lse[:, :, r], part_out, part_lse)
     final = out.to(torch.bfloat16)
     dq = torch.zeros(q.shape, device="cuda")
     dk, dv = torch.zeros(k.shape, device="cuda"), torch.zeros(v.shape, device="cuda")
     for r, keys, is_causal in pieces:
         dq_p, dk_p, dv_p = flash_block_backward(dout[:, r], final[:, r], q[:, r], k[:, keys], v[:, keys],
-                                                lse[:, :, r], scale, is_causal)
+                                                lse[:, :, r], scale, is_causal, kernel)
         dq[:, r] += dq_p
         dk[:, keys] += dk_p
         dv[:, keys] += dv_p

@@ -6,6 +6,10 @@ but through PyTorch's flash-attention operators, which return the log-sum-exp an
 the *final* output and log-sum-exp in backward, as ring attention needs. The einsum path
 materialises fp32 score matrices; this one keeps attention on tensor cores at bf16.
 
+Two kernels, both through ``torch.ops.aten``: cuDNN's fused attention (``"cudnn"``, what SDPA
+picks on Hopper and the faster there) and FlashAttention-2 (``"flash"``, any CUDA GPU of sm80
+or later). ``default_kernel`` picks cuDNN on sm90+ where SDPA's cuDNN backend is enabled.
+
 Grouped-query attention: key/value groups are repeated to the query heads for the kernel and
 their gradients summed back over the heads that share a group.
 """
@@ -24,6 +28,13 @@ def flash_blocks_supported(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in _HALF and head_dim % 8 == 0 and head_dim <= 256
 
 
+def default_kernel(q: torch.Tensor) -> str:
+    """"cudnn" on Hopper or later where SDPA's cuDNN backend is on, else "flash"."""
+    if torch.backends.cuda.cudnn_sdp_enabled() and torch.cuda.get_device_capability(q.device) >= (9, 0):
+        return "cudnn"
+    return "flash"
+
+
 def _heads_first(x: torch.Tensor, heads: int) -> torch.Tensor:
     """[b, s, groups, d] -> [b, heads, s, d], repeating each group for its query heads."""
     groups = x.size(2)
@@ -33,15 +44,18 @@ def _heads_first(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def flash_block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, kernel: str = "flash"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out ``[b, sq, heads, d]`` in q's dtype, lse ``[b, heads, sq]`` fp32) of q against one k/v
     block. The out is a view of the kernel's ``[b, heads, sq, d]`` result: the merge reads it
     into its fp32 running output directly (no separate fp32 copy per piece)."""
-    heads = q.size(2)
-    out, lse, *_ = _aten._scaled_dot_product_flash_attention(
-        q.transpose(1, 2), _heads_first(k, heads), _heads_first(v, heads), 0.0, causal, False, scale=scale
-    )
+    b, sq, heads, _ = q.shape
+    qh, kh, vh = q.transpose(1, 2), _heads_first(k, heads), _heads_first(v, heads)
+    if kernel == "cudnn":
+        out, lse, *_ = _aten._scaled_dot_product_cudnn_attention(qh, kh, vh, None, True, 0.0, causal, False,
+                                                                 scale=scale)
+        return out.transpose(1, 2), lse.reshape(b, heads, sq).float()  # cuDNN's lse is [b, heads, sq, 1]
+    out, lse, *_ = _aten._scaled_dot_product_flash_attention(qh, kh, vh, 0.0, causal, False, scale=scale)
     return out.transpose(1, 2), lse.float()
 
 
@@ -54,6 +68,7 @@ def flash_block_backward(
     lse: torch.Tensor,
     scale: float,
     causal: bool,
+    kernel: str = "flash",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of this block pair's share, in q's dtype (GQA's dk, dv: summed over the heads
     of a group in fp32), as views the ring adds into its fp32 accumulators; ``out`` and ``lse``
@@ -61,14 +76,23 @@ def flash_block_backward(
     them)."""
     b, sq, heads, d = q.shape
     groups, sk = k.size(2), k.size(1)
-    dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
-        dout.transpose(1, 2), q.transpose(1, 2), _heads_first(k, heads), _heads_first(v, heads),
-        out.transpose(1, 2), lse.contiguous(),
-        None, None, sq, sk,  # no variable-length batch: cumulative lengths undefined
-        0.0, causal,
-        torch.empty(2, dtype=torch.int64, device=q.device), torch.empty((), dtype=torch.int64, device=q.device),
-        scale=scale,
-    )
+    no_rng = torch.empty((), dtype=torch.int64, device=q.device)  # dropout off: the seed is unused
+    if kernel == "cudnn":
+        dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
+            dout.transpose(1, 2), q.transpose(1, 2), _heads_first(k, heads), _heads_first(v, heads),
+            out.transpose(1, 2), lse.reshape(b, heads, sq, 1).contiguous(), no_rng, no_rng,
+            None, None, None, sq, sk,  # no bias, no variable-length batch
+            0.0, causal, scale=scale,
+        )
+    else:
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+            dout.transpose(1, 2), q.transpose(1, 2), _heads_first(k, heads), _heads_first(v, heads),
+            out.transpose(1, 2), lse.contiguous(),
+            None, None, sq, sk,  # no variable-length batch: cumulative lengths undefined
+            0.0, causal,
+            torch.empty(2, dtype=torch.int64, device=q.device), no_rng,
+            scale=scale,
+        )
     dk, dv = dk.transpose(1, 2), dv.transpose(1, 2)  # [b, sk, heads, d]
     if groups != heads:
         dk = dk.reshape(b, sk, groups, heads // groups, d).sum(3, dtype=torch.float32)

@@ -18,7 +18,8 @@ accumulator travels with it, collecting every rank's contribution; one last hop 
 home. Only q, k, v, the output and the log-sum-exp are kept for backward (memory bounded).
 
 Every piece is a full block or a square causal one, so on CUDA in bf16/fp16 the pieces run on
-the flash-attention kernels (``flash_blocks.py``); elsewhere on the einsum path.
+fused attention kernels (``flash_blocks.py``: cuDNN's on Hopper, else FlashAttention-2);
+elsewhere on the einsum path.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from mtl.parallel.context_parallel.block_attention import (
 from mtl.parallel.context_parallel.flash_blocks import (
     flash_block_backward,
     flash_block_forward,
+    default_kernel,
     flash_blocks_supported,
 )
 from mtl.parallel.topology import Topology
@@ -96,6 +98,7 @@ class RingAttention(torch.autograd.Function):
         lse = torch.full((b, heads, s_local), float("-inf"), dtype=dtype, device=q.device)
         kv = torch.stack([k, v]).contiguous()  # [2, b, s_local, groups, d]
         fused = flash_blocks_supported(q)
+        kernel = default_kernel(q) if fused else None
         for step in range(ring.size):
             kv_rank = (ring.rank - step) % ring.size
             pending, next_kv = [], None
@@ -105,7 +108,7 @@ class RingAttention(torch.autograd.Function):
             for rows, keys, mask_offset in _block_plan(ring.rank, kv_rank, chunk, causal):
                 if fused:
                     part_out, part_lse = flash_block_forward(
-                        q[:, rows], kv[0][:, keys], kv[1][:, keys], scale, causal=mask_offset == 0
+                        q[:, rows], kv[0][:, keys], kv[1][:, keys], scale, causal=mask_offset == 0, kernel=kernel
                     )
                 else:
                     part_out, part_lse = block_forward(
@@ -128,6 +131,7 @@ class RingAttention(torch.autograd.Function):
         chunk = q.size(1) // 2
         dtype = compute_dtype(q.dtype)
         fused = flash_blocks_supported(q)
+        kernel = default_kernel(q) if fused else None
         if fused:
             dout = dout.to(q.dtype).contiguous()
         else:
@@ -149,7 +153,7 @@ class RingAttention(torch.autograd.Function):
                 if fused:
                     dq_part, dk_part, dv_part = flash_block_backward(
                         dout[:, rows], out[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys],
-                        lse[:, :, rows], scale, causal=mask_offset == 0,
+                        lse[:, :, rows], scale, causal=mask_offset == 0, kernel=kernel,
                     )
                 else:
                     dq_part, dk_part, dv_part = block_backward(
