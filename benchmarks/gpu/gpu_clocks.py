@@ -15,7 +15,13 @@ import argparse
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+_FIELDS = ("utilization.gpu", "clocks.sm", "clocks.max.sm", "power.draw", "power.limit", "temperature.gpu",
+           "{prefix}.sw_power_cap", "{prefix}.hw_slowdown", "{prefix}.sw_thermal_slowdown")
+NUM_FIELDS = len(_FIELDS)
+
 
 def fields() -> tuple[str, ...]:
     """The query fields; newer drivers call the throttle reasons ``clocks_event_reasons``."""
@@ -24,11 +30,7 @@ def fields() -> tuple[str, ...]:
                            capture_output=True, text=True)
     if probe.returncode == 0:
         prefix = "clocks_event_reasons"
-    return ("utilization.gpu", "clocks.sm", "clocks.max.sm", "power.draw", "power.limit", "temperature.gpu",
-            f"{prefix}.sw_power_cap", f"{prefix}.hw_slowdown", f"{prefix}.sw_thermal_slowdown")
-
-
-NUM_FIELDS = 9
+    return tuple(f.format(prefix=prefix) for f in _FIELDS)
 
 
 def _number(text: str) -> float | None:
@@ -44,8 +46,8 @@ def summarise(lines: list[str]) -> dict:
         cells = [c.strip() for c in line.split(",")]
         if len(cells) != NUM_FIELDS:
             continue
-        util = _number(cells[0])
-        if util is not None and util >= 90:
+        util, clock, power = _number(cells[0]), _number(cells[1]), _number(cells[3])
+        if util is not None and util >= 90 and clock is not None and power is not None:
             busy.append(cells)
     if not busy:
         return {"samples": 0}
@@ -60,7 +62,7 @@ def summarise(lines: list[str]) -> dict:
         "sm_clock_max": _number(busy[0][2]),
         "power_median": statistics.median(power),
         "power_limit": _number(busy[0][4]),
-        "temperature_max": max(_number(c[5]) for c in busy),
+        "temperature_max": max((_number(c[5]) or 0.0) for c in busy),
         "throttled": active,
     }
 
@@ -73,17 +75,22 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--label", default="command")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--gpu", type=int, default=0, help="the GPU index to sample")
     args = ap.parse_args(argv[:split])
     command = argv[split + 1:]
-    sampler = subprocess.Popen(
-        ["nvidia-smi", f"--query-gpu={','.join(fields())}", "--format=csv,noheader", "-lms", "100"],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        rc = subprocess.call(command)
-    finally:
-        sampler.terminate()
-        out, _ = sampler.communicate()
-    s = summarise(out.splitlines())
+    # Samples go to a file, not a pipe: nobody reads a pipe until the command ends, and once its
+    # 64 KiB buffer is full (~70 s of samples) nvidia-smi blocks and stops sampling.
+    with tempfile.TemporaryFile("w+") as samples:
+        sampler = subprocess.Popen(
+            ["nvidia-smi", "-i", str(args.gpu), f"--query-gpu={','.join(fields())}", "--format=csv,noheader",
+             "-lms", "100"], stdout=samples, text=True)
+        try:
+            rc = subprocess.call(command)
+        finally:
+            sampler.terminate()
+            sampler.wait()
+        samples.seek(0)
+        s = summarise(samples.read().splitlines())
     if not s["samples"]:
         line = f"| {args.label} | no busy samples | | | | |"
     else:

@@ -8,7 +8,7 @@ log-sum-exp. The sum over blocks must equal full attention's output and gradient
 import pytest
 import torch
 
-from mtl.parallel.context_parallel.block_attention import merge_partial
+from mtl.parallel.context_parallel.block_attention import merge_partial_into
 from mtl.parallel.context_parallel.flash_blocks import (
     default_kernel,
     flash_block_backward,
@@ -64,7 +64,7 @@ def test_two_key_blocks_merge_to_full_attention(causal, groups, kernel):
     lse = torch.full((B, heads, S), float("-inf"), device="cuda")
     for r, keys, is_causal in pieces:
         part_out, part_lse = flash_block_forward(q[:, r], k[:, keys], v[:, keys], scale, is_causal, kernel)
-        out[:, r], lse[:, :, r] = merge_partial(out[:, r], lse[:, :, r], part_out, part_lse)
+        merge_partial_into(out[:, r], lse[:, :, r], part_out, part_lse)  # as the ring does: in place
     final = out.to(torch.bfloat16)
     dq = torch.zeros(q.shape, device="cuda")
     dk, dv = torch.zeros(k.shape, device="cuda"), torch.zeros(v.shape, device="cuda")
@@ -77,4 +77,32 @@ def test_two_key_blocks_merge_to_full_attention(causal, groups, kernel):
     ref_out, ref_dq, ref_dk, ref_dv = reference(q, k, v, dout, causal, scale)
     # bf16 inputs: results agree to bf16 rounding of values of order one
     for name, got, want in [("out", out, ref_out), ("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv)]:
+        torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=3e-2, msg=lambda m, n=name: f"{n}: {m}")
+
+
+class OwnRing:
+    """A ring of one rank: the dK/dV accumulator's last hop is to itself."""
+
+    size, rank = 1, 0
+
+    def exchange(self, send, recv, tag):
+        recv.copy_(send)
+        return []
+
+
+@pytest.mark.parametrize("groups", [4, 2])
+def test_ring_of_one_equals_full_attention(groups):
+    """RingAttention end to end on the fused path (three causal pieces, merged in place, the
+    backward from the final output and log-sum-exp) against float64 attention over the sequence."""
+    from mtl.parallel.context_parallel.ring_attention import RingAttention
+
+    torch.manual_seed(1)
+    heads, scale = 4, D**-0.5
+    q = torch.randn(B, S, heads, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(B, S, groups, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    dout = torch.randn(B, S, heads, D, device="cuda", dtype=torch.bfloat16)
+    out = RingAttention.apply(q, k, v, OwnRing(), True, scale)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_out, *ref_grads = reference(q.detach(), k.detach(), v.detach(), dout, True, scale)
+    for name, got, want in [("out", out, ref_out), *zip(("dq", "dk", "dv"), grads, ref_grads)]:
         torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=3e-2, msg=lambda m, n=name: f"{n}: {m}")

@@ -298,12 +298,14 @@ def test_compiled_chunk_kernels_equal_eager():
     w = torch.randn(384, H, generator=g) * 0.2
     target = torch.randint(0, VOCAB, (100,), generator=g)
     weights = torch.rand(100, generator=g)
-    results = []
-    for compiled in (False, True):
-        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
-        loss = linear_cross_entropy(xs, ws, target, vocab_size=VOCAB, chunk_bytes=1, compile=compiled)
-        (loss * weights).sum().backward()
-        results.append((loss.detach(), xs.grad, ws.grad))
-    assert not lce._KERNELS._failed, "torch.compile of the chunk kernels failed"
-    for eager, compiled in zip(*results):
-        torch.testing.assert_close(compiled, eager, **FP32)
+    for save_logits in (False, True):  # recomputed per chunk; kept, dlogits written over them in place
+        results = []
+        for compiled in (False, True):
+            xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+            loss = linear_cross_entropy(xs, ws, target, vocab_size=VOCAB, chunk_bytes=1, compile=compiled,
+                                        save_logits=save_logits)
+            (loss * weights).sum().backward()
+            results.append((loss.detach(), xs.grad, ws.grad))
+        assert not lce._KERNELS._failed, "torch.compile of the chunk kernels failed"
+        for eager, compiled in zip(*results):
+            torch.testing.assert_close(compiled, eager, **FP32)

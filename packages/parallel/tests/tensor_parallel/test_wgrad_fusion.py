@@ -220,3 +220,14 @@ def test_a_backend_module_whose_weight_is_also_held_elsewhere_stays_off():
     module[1].weight = module[0].inner.weight  # tied to a holder outside the contract
     assert enable_wgrad_fusion(module) == 0
     assert not module[0].switched_on and not getattr(module[0].inner.weight, "wgrad_fused", False)
+
+
+def test_a_parameter_held_only_by_a_view_is_not_fused():
+    """A view names parameters; it does not accumulate them. Held by nothing else, a parameter
+    keeps the hook's path (else its gradient would be dropped)."""
+    module = nn.Module()
+    module.view = nn.Module()
+    module.view.weight = nn.Parameter(torch.zeros(4, 4))
+    module.view.mtl_parameter_view = True
+    assert enable_wgrad_fusion(module) == 0
+    assert not getattr(module.view.weight, "wgrad_fused", False)

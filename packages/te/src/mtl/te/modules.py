@@ -89,7 +89,8 @@ def _tp(topology) -> tuple[int, object]:
 
 # Dynamo cannot trace TE's FP8 autocast (InternalTorchDynamoError, TE 2.20.2 with torch 2.11 on
 # an H100: benchmarks/RESULTS.md), so under ``train.compile`` an FP8 TE module runs eagerly
-# between the compiled pieces of its layer; in bf16 TE modules compile with the layer.
+# between the compiled pieces of its layer. In bf16 a ``te.Linear`` compiles with the layer;
+# TE itself keeps ``LayerNormLinear`` and ``LayerNormMLP`` out of dynamo (``no_torch_dynamo``).
 @torch.compiler.disable
 def _fp8_call(forward, recipe, amax_group, x: torch.Tensor, *args, **kwargs):
     with te.autocast(enabled=True, recipe=recipe, amax_reduction_group=amax_group):
@@ -108,7 +109,11 @@ def _switch_on_main_grad_accumulation(te_module: nn.Module, weights: list[nn.Par
 
 class _MainGradAccumulation:
     """mtl.parallel's gradient-accumulation fusion contract (``enable_wgrad_fusion``) for a TE
-    module whose one weight is ``self.weight``."""
+    module whose one weight is ``self.weight``: the fused leaves (``LayerNormLinear``, and
+    ``LayerNormMLP`` below), whose forward TE keeps out of dynamo in any case. Not a plain
+    ``te.Linear``: under torch.compile TE 2.20.2 sends a ``te.Linear`` with
+    ``fuse_wgrad_accumulation`` to its eager fallback behind a graph break, where without it
+    the linear compiles with the layer; it keeps the hook's add."""
 
     def main_grad_accumulation_params(self) -> list[nn.Parameter]:
         return [self.weight] if self.weight.requires_grad else []
@@ -137,6 +142,8 @@ class _Fp8StateAsTensors:
     (``train.fp8``), not one read from the file. Stateless recipes (current, blockwise) and
     modules that never ran FP8 save TE's empty tensor, as TE does."""
 
+    _fp8_num_gemms = 1  # GEMMs of one forward (TE's ``num_gemms``): LayerNormMLP has 2
+
     def get_extra_state(self):
         meta = self.fp8_meta
         recipe = meta.get("recipe")
@@ -156,7 +163,11 @@ class _Fp8StateAsTensors:
             _warn_once("recipe", "te backend: the checkpoint holds delayed-scaling FP8 state but train.fp8 is not "
                                  "'delayed' now; the FP8 state starts fresh")
             return None
-        self.fp8_meta["num_gemms"] = state["num_gemms"]
+        if state["num_gemms"] != self._fp8_num_gemms:
+            _warn_once("gemms", "te backend: the checkpoint's FP8 state belongs to a module with another number "
+                                "of GEMMs; the FP8 state starts fresh")
+            return None
+        self.fp8_meta["num_gemms"] = self._fp8_num_gemms
         self.fp8_meta["recipe"] = recipe
         self.init_fp8_meta_tensors(recipe)  # allocates scales and histories for this recipe
         fwd, bwd = self.fp8_meta["scaling_fwd"], self.fp8_meta["scaling_bwd"]
@@ -184,7 +195,7 @@ class _Fp8Forward:
         return _fp8_call(super().forward, self._te_recipe, self._amax_group, x, *args, **kwargs)
 
 
-class TEColumnParallelLinear(_MainGradAccumulation, _Fp8StateAsTensors, _Fp8Forward, te.Linear):
+class TEColumnParallelLinear(_Fp8StateAsTensors, _Fp8Forward, te.Linear):
     def __init__(self, input_size: int, output_size: int, *, bias: bool, init_std: float, topology,
                  gather_output: bool = False, sequence_parallel: bool = False, stride: int = 1,
                  fp8: Fp8Settings | None = None):
@@ -198,7 +209,7 @@ class TEColumnParallelLinear(_MainGradAccumulation, _Fp8StateAsTensors, _Fp8Forw
         self._setup_fp8(fp8, group)
 
 
-class TERowParallelLinear(_MainGradAccumulation, _Fp8StateAsTensors, _Fp8Forward, te.Linear):
+class TERowParallelLinear(_Fp8StateAsTensors, _Fp8Forward, te.Linear):
     def __init__(self, input_size: int, output_size: int, *, bias: bool, init_std: float, topology,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, fp8: Fp8Settings | None = None):
         if not input_is_parallel:
@@ -271,6 +282,7 @@ class _LayerNormMLP(_Fp8StateAsTensors, te.LayerNormMLP):
     """TE's LayerNormMLP with its FP8 state saved as tensors; ``_te_recipe`` is set by TENormMLP."""
 
     _te_recipe = None
+    _fp8_num_gemms = 2  # fc1 and fc2
 
 
 class TENormMLP(nn.Module):

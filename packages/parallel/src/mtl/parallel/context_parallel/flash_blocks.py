@@ -22,17 +22,31 @@ _aten = torch.ops.aten
 _HALF = (torch.bfloat16, torch.float16)
 
 
+def _cudnn_ok(q: torch.Tensor) -> bool:
+    # Hopper or later, SDPA's cuDNN backend switched on, a head dim cuDNN's fused attention takes
+    return (torch.backends.cuda.cudnn_sdp_enabled() and torch.cuda.get_device_capability(q.device) >= (9, 0)
+            and q.size(-1) <= 128)
+
+
+def _flash_ok(q: torch.Tensor) -> bool:
+    # FlashAttention-2: Ampere or later, SDPA's flash backend switched on, head dim up to 256
+    return (torch.backends.cuda.flash_sdp_enabled() and torch.cuda.get_device_capability(q.device) >= (8, 0)
+            and q.size(-1) <= 256)
+
+
 def flash_blocks_supported(q: torch.Tensor) -> bool:
-    """True where the flash kernels apply: CUDA, half precision, head dim a multiple of 8 up to 256."""
-    head_dim = q.size(-1)
-    return q.is_cuda and q.dtype in _HALF and head_dim % 8 == 0 and head_dim <= 256
+    """True where a fused kernel applies: CUDA, half precision, head dim a multiple of 8, and
+    cuDNN's or FlashAttention-2's requirements met (GPU generation, SDPA's backend switches,
+    head dim). Elsewhere the ring takes the einsum path."""
+    if not (q.is_cuda and q.dtype in _HALF and q.size(-1) % 8 == 0):
+        return False
+    return _cudnn_ok(q) or _flash_ok(q)
 
 
 def default_kernel(q: torch.Tensor) -> str:
-    """"cudnn" on Hopper or later where SDPA's cuDNN backend is on, else "flash"."""
-    if torch.backends.cuda.cudnn_sdp_enabled() and torch.cuda.get_device_capability(q.device) >= (9, 0):
-        return "cudnn"
-    return "flash"
+    """"cudnn" where it applies (Hopper or later, SDPA's cuDNN backend on, head dim up to 128),
+    else "flash"; call only where ``flash_blocks_supported``."""
+    return "cudnn" if _cudnn_ok(q) else "flash"
 
 
 def _heads_first(x: torch.Tensor, heads: int) -> torch.Tensor:

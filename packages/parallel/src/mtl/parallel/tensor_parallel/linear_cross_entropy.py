@@ -13,9 +13,10 @@ Columns at or past ``vocab_size`` (the padding to a multiple of 128·tp) take no
 ``vocab_parallel_cross_entropy``: they are outside the log-sum-exp and their probability
 and gradient are exactly zero. A rank that holds only padding contributes nothing.
 
-Backward, per chunk: ``softmax = exp(logits - lse)``, ``dlogits = (softmax - onehot(target))
-* grad_loss`` written in the compute dtype, then ``dx = dlogits W`` and ``dW += dlogitsᵀ x``
-(accumulated in fp32 over the chunks, returned in the weight's dtype). Why not produce the
+Backward: ``softmax = exp(logits - lse)``, ``dlogits = (softmax - onehot(target)) * grad_loss``
+written in the compute dtype, per chunk, then ``dx = dlogits W`` and ``dW = dlogitsᵀ x`` (per
+chunk and accumulated in fp32 when the logits are recomputed; once over all tokens when they
+are kept, see below; into ``main_grad`` under gradient-accumulation fusion). Why not produce the
 gradients in the forward pass and only scale them in backward: the output is a *per-token*
 loss that the trainer weights per token (loss mask / token count / loss scale), so
 ``grad_loss`` is a vector known only in backward, and ``dW = Σ_t grad_loss_t · dlogits_tᵀ x_t``
@@ -25,9 +26,12 @@ them, chosen by ``save_logits`` (default: by dtype and size):
 - keep them (the default for 16-bit compute up to ``MAX_SAVED_LOGITS_BYTES``, the fastest):
   one forward GEMM writes the whole ``[tokens, V/tp]`` buffer in the compute dtype; backward
   overwrites it, chunk by chunk, with ``dlogits`` and then runs ``dx`` and ``dW`` as one GEMM
-  each over all tokens. Whole GEMMs, not one per chunk, because a chunk's ``dx``
-  (``[c, V/tp] x [V/tp, h]``) has too few output tiles to fill a GPU: on one H100 the
-  chunked head ran its GEMMs at about half the matmul rate. The unfused path keeps twice
+  each over all tokens. Whole GEMMs, not one per chunk: fewer launches, and no per-chunk
+  ``dx`` (``[c, V/tp] x [V/tp, h]``, few output tiles for a large GPU). Alone on one H100 the
+  head's GEMMs then run at 763 TFLOP/s (``benchmarks/gpu/lm_head_bench.py``); the reference
+  step's time did not change measurably. The kept logits are overwritten, so a second
+  backward through the same graph (``retain_graph=True``) is refused by autograd's version
+  check; pass ``save_logits=False`` for that. The unfused path keeps twice
   that buffer (its fp32 softmax) and passes through fp32 copies of the whole micro-batch
   besides: 0.8 GB kept for the reference model's micro-batch instead of 1.6 GB kept and
   3.3+ GB at its peak;
@@ -37,7 +41,8 @@ them, chosen by ``save_logits`` (default: by dtype and size):
   compute-dtype weight and one fp32 ``lse`` per token are kept.
 
 Transient memory is one chunk: its logits in fp32 and (recomputing) its ``dlogits``; kept
-logits take their ``dlogits`` in place.
+logits take their ``dlogits`` in place (plus, where ``x`` is not in the compute dtype, its
+gradient in the compute dtype before the cast).
 
 The weight gradient leaves through autograd (it is returned from ``backward``), so a weight
 tied to the embedding accumulates both gradients in one ``param.grad`` and the
@@ -48,9 +53,10 @@ enters the TP region with the same mapping as ``ColumnParallelLinear`` (identity
 all-reduce backward; under sequence parallelism all-gather forward / reduce-scatter backward),
 so the partial ``dx`` of each rank's vocabulary slice is summed by autograd.
 
-``compile=True`` runs the two elementwise/reduction steps of a chunk through
-``torch.compile`` (one reduction kernel forward, one pointwise kernel backward, instead of
-about five passes over the fp32 chunk each in eager mode); the GEMMs and collectives stay
+``compile=True`` runs the elementwise/reduction steps of a chunk through ``torch.compile``
+(one reduction kernel forward, one pointwise kernel backward, writing ``dlogits`` in place
+where the logits are kept, instead of about five passes over the fp32 chunk each in eager
+mode); the GEMMs and collectives stay
 eager. Should compilation fail the function says so once in the log and runs eagerly.
 """
 
@@ -237,7 +243,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             loss = lse - sums[1]
         ctx.save_for_backward(x_c, w_c, lse, target_local, owned, saved)
         ctx.meta = (num_real, rows, compiled, cdtype, x.dtype, weight.dtype)
-        ctx.main_grad = main_grad  # wgrad_fusion: each chunk's weight gradient goes straight into it
+        ctx.main_grad = main_grad  # wgrad_fusion: the weight gradient GEMM(s) accumulate straight into it
         return loss
 
     @staticmethod

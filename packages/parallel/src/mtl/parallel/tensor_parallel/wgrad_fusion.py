@@ -16,6 +16,9 @@ is switched on per weight by ``enable_wgrad_fusion``: linears and an untied outp
 fused loss, ``linear_cross_entropy``, accumulates each token chunk the same way), never a
 weight tied to the word embedding.
 
+Another backend's module may take part by accumulating into ``main_grad`` in its own backward
+(mtl-te over Transformer Engine's ``fuse_wgrad_accumulation``); ``enable_wgrad_fusion`` says how.
+
 The accumulation is a ``torch.library`` op (``mtl::accumulate_weight_grad``) that mutates
 ``main_grad``, so ``torch.compile`` traces the linear (no graph break) and keeps the GEMM as it is.
 """
@@ -124,8 +127,6 @@ def enable_wgrad_fusion(module: nn.Module) -> int:
                 claimed.setdefault(id(param), set()).update(inside)
 
     def fusable(holder: nn.Module, name: str, param: nn.Parameter) -> bool:
-        if getattr(holder, "mtl_parameter_view", False):
-            return True
         if id(holder) in claimed.get(id(param), ()):
             return True
         return name == "weight" and any(
@@ -136,6 +137,8 @@ def enable_wgrad_fusion(module: nn.Module) -> int:
     holders: dict[int, list[bool]] = {}
     params: dict[int, nn.Parameter] = {}
     for sub in module.modules():
+        if getattr(sub, "mtl_parameter_view", False):
+            continue  # it only names the parameters: no holder (a parameter held only so stays unfused)
         for name, param in sub.named_parameters(recurse=False):
             holders.setdefault(id(param), []).append(fusable(sub, name, param))
             params[id(param)] = param
