@@ -1,10 +1,8 @@
 """Transformer Engine's weight-gradient GEMMs accumulate into mtl's fp32 ``main_grad``
-(``fuse_wgrad_accumulation``, switched on by mtl.parallel's ``enable_wgrad_fusion`` for the
-fused leaves).
+(``fuse_wgrad_accumulation``, switched on by mtl.parallel's ``enable_wgrad_fusion``).
 
 bf16 weights in DataParallel with fp32 gradient buffers, two micro-batches through a fused
-norm + column linear, a TE row linear (not fused: it keeps the hook's add) and a fused norm +
-MLP: the fused ``main_grad``
+norm + column linear, a TE row linear and a fused norm + MLP: the fused ``main_grad``
 equals the hook's (per-micro-batch bf16 gradients added in fp32) within bf16 rounding, every
 bucket still launches (TE's placeholder gradient fires the hooks), and the norm weights
 (shared with the layer's norm module) keep the hook's path. GPU and Transformer Engine only."""
@@ -50,9 +48,8 @@ def run(fused: bool, dtype=torch.bfloat16):
     for p in block.parameters():
         p.data = p.data.to(dtype)
     if fused:
-        # qkv (LayerNormLinear), fc1 and fc2 (LayerNormMLP); not proj, a plain te.Linear (modules.py:
-        # it would leave the compiled graph); the norms' weights are also held by their norm modules
-        assert enable_wgrad_fusion(block) == 3
+        # qkv, proj, fc1, fc2; the norms' weights are also held by their norm modules
+        assert enable_wgrad_fusion(block) == 4
     model = DataParallel(block, Topology.single(), grad_dtype=torch.float32, bucket_size_mb=1e-4,
                          overlap_grad_reduce=True)
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -69,7 +66,7 @@ def run(fused: bool, dtype=torch.bfloat16):
 def test_te_weights_accumulate_into_main_grad():
     fused, block = run(True)
     assert block.qkv.fuse_wgrad_accumulation and block.mlp.fused.fuse_wgrad_accumulation
-    assert not block.proj.fuse_wgrad_accumulation and not getattr(block.proj.weight, "wgrad_fused", False)
+    assert block.proj.fuse_wgrad_accumulation and block.proj.weight.wgrad_fused
     assert not getattr(block.input_norm.weight, "wgrad_fused", False)
     hooked, _ = run(False)
     for name in fused:

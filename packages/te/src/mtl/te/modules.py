@@ -89,8 +89,9 @@ def _tp(topology) -> tuple[int, object]:
 
 # Dynamo cannot trace TE's FP8 autocast (InternalTorchDynamoError, TE 2.20.2 with torch 2.11 on
 # an H100: benchmarks/RESULTS.md), so under ``train.compile`` an FP8 TE module runs eagerly
-# between the compiled pieces of its layer. In bf16 a ``te.Linear`` compiles with the layer;
-# TE itself keeps ``LayerNormLinear`` and ``LayerNormMLP`` out of dynamo (``no_torch_dynamo``).
+# between the compiled pieces of its layer. In bf16 too TE modules run eagerly there: TE keeps
+# ``LayerNormLinear`` and ``LayerNormMLP`` out of dynamo (``no_torch_dynamo``) and runs a
+# ``te.Linear`` accumulating into ``main_grad`` through its eager fallback.
 @torch.compiler.disable
 def _fp8_call(forward, recipe, amax_group, x: torch.Tensor, *args, **kwargs):
     with te.autocast(enabled=True, recipe=recipe, amax_reduction_group=amax_group):
@@ -109,11 +110,14 @@ def _switch_on_main_grad_accumulation(te_module: nn.Module, weights: list[nn.Par
 
 class _MainGradAccumulation:
     """mtl.parallel's gradient-accumulation fusion contract (``enable_wgrad_fusion``) for a TE
-    module whose one weight is ``self.weight``: the fused leaves (``LayerNormLinear``, and
-    ``LayerNormMLP`` below), whose forward TE keeps out of dynamo in any case. Not a plain
-    ``te.Linear``: under torch.compile TE 2.20.2 sends a ``te.Linear`` with
-    ``fuse_wgrad_accumulation`` to its eager fallback behind a graph break, where without it
-    the linear compiles with the layer; it keeps the hook's add."""
+    module whose one weight is ``self.weight``.
+
+    Under torch.compile TE 2.20.2 runs a plain ``te.Linear`` with ``fuse_wgrad_accumulation``
+    through its eager fallback, behind a graph break (``LayerNormLinear`` and ``LayerNormMLP``
+    stay out of dynamo in any case). It is switched on for ``te.Linear`` too because that
+    measured faster on one H100 (reference model, te bf16 compiled): 1.289 s/iter with every
+    TE module accumulating, 1.584 s with only the fused leaves doing so (benchmarks/RESULTS.md;
+    why the compiled ``te.Linear`` costs that much is not understood yet)."""
 
     def main_grad_accumulation_params(self) -> list[nn.Parameter]:
         return [self.weight] if self.weight.requires_grad else []
@@ -195,7 +199,7 @@ class _Fp8Forward:
         return _fp8_call(super().forward, self._te_recipe, self._amax_group, x, *args, **kwargs)
 
 
-class TEColumnParallelLinear(_Fp8StateAsTensors, _Fp8Forward, te.Linear):
+class TEColumnParallelLinear(_MainGradAccumulation, _Fp8StateAsTensors, _Fp8Forward, te.Linear):
     def __init__(self, input_size: int, output_size: int, *, bias: bool, init_std: float, topology,
                  gather_output: bool = False, sequence_parallel: bool = False, stride: int = 1,
                  fp8: Fp8Settings | None = None):
@@ -209,7 +213,7 @@ class TEColumnParallelLinear(_Fp8StateAsTensors, _Fp8Forward, te.Linear):
         self._setup_fp8(fp8, group)
 
 
-class TERowParallelLinear(_Fp8StateAsTensors, _Fp8Forward, te.Linear):
+class TERowParallelLinear(_MainGradAccumulation, _Fp8StateAsTensors, _Fp8Forward, te.Linear):
     def __init__(self, input_size: int, output_size: int, *, bias: bool, init_std: float, topology,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, fp8: Fp8Settings | None = None):
         if not input_is_parallel:
