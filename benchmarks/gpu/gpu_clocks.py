@@ -1,7 +1,9 @@
 """Run a command and report the GPU's SM clock, power and throttle reasons while it ran
 (issue 11: are the step's GEMMs slower than alone because the device is at its power limit?).
 
-    python3 benchmarks/gpu/gpu_clocks.py [--label NAME] [--out FILE] -- COMMAND ...
+    python3 benchmarks/gpu/gpu_clocks.py [--label NAME] [--out FILE] [--gpu INDEX] -- COMMAND ...
+
+``--gpu`` is nvidia-smi's index (the physical one, not the command's CUDA_VISIBLE_DEVICES).
 
 Samples ``nvidia-smi`` every 100 ms during COMMAND and summarises the samples with the GPU
 busy (utilisation at least 90%): median and 10th percentile of the SM clock, median power
@@ -12,6 +14,7 @@ with ``--out``, appended to FILE as one markdown table row.
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import subprocess
 import sys
@@ -62,7 +65,7 @@ def summarise(lines: list[str]) -> dict:
         "sm_clock_max": _number(busy[0][2]),
         "power_median": statistics.median(power),
         "power_limit": _number(busy[0][4]),
-        "temperature_max": max((_number(c[5]) or 0.0) for c in busy),
+        "temperature_max": max((t for t in (_number(c[5]) for c in busy) if t is not None), default=None),
         "throttled": active,
     }
 
@@ -87,8 +90,12 @@ def main() -> None:
         try:
             rc = subprocess.call(command)
         finally:
-            sampler.terminate()
-            sampler.wait()
+            sampler.send_signal(signal.SIGINT)  # nvidia-smi flushes its last samples on SIGINT
+            try:
+                sampler.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                sampler.kill()
+                sampler.wait()
         samples.seek(0)
         s = summarise(samples.read().splitlines())
     if not s["samples"]:
@@ -96,7 +103,8 @@ def main() -> None:
     else:
         throttled = ", ".join(f"{k} {v:.0%}" for k, v in s["throttled"].items() if v > 0) or "none"
         line = (f"| {args.label} | {s['sm_clock_median']:.0f} (p10 {s['sm_clock_p10']:.0f}, max {s['sm_clock_max']:.0f}) "
-                f"| {s['power_median']:.0f} / {s['power_limit']:.0f} W | {s['temperature_max']:.0f} C "
+                f"| {s['power_median']:.0f} / {s['power_limit']:.0f} W "
+                f"| {'n/a' if s['temperature_max'] is None else format(s['temperature_max'], '.0f') + ' C'} "
                 f"| {throttled} | {s['samples']} |")
     print("| run | SM clock MHz, busy samples | power / limit | max temp | throttle reasons active | samples |")
     print(line)

@@ -10,7 +10,8 @@ import torch
 
 from mtl.parallel.context_parallel.block_attention import merge_partial_into
 from mtl.parallel.context_parallel.flash_blocks import (
-    default_kernel,
+    _cudnn_ok,
+    _flash_ok,
     flash_block_backward,
     flash_block_forward,
     flash_blocks_supported,
@@ -35,10 +36,12 @@ def reference(q, k, v, dout, causal, scale):
 
 
 def kernels():
-    """FlashAttention-2 everywhere; cuDNN's where the ring would pick it (Hopper)."""
+    """Each kernel the ring may run on this GPU (cuDNN's on Hopper, FlashAttention-2 from sm80),
+    as SDPA's switches allow."""
     if not torch.cuda.is_available():
         return ["flash"]
-    return sorted({"flash", default_kernel(torch.empty(1, device="cuda"))})
+    probe = torch.empty(1, 1, 1, D, device="cuda", dtype=torch.bfloat16)
+    return [name for name, ok in (("cudnn", _cudnn_ok(probe)), ("flash", _flash_ok(probe))) if ok]
 
 
 @pytest.mark.parametrize("kernel", kernels())

@@ -231,3 +231,32 @@ def test_a_parameter_held_only_by_a_view_is_not_fused():
     module.view.mtl_parameter_view = True
     assert enable_wgrad_fusion(module) == 0
     assert not getattr(module.view.weight, "wgrad_fused", False)
+
+
+def test_modules_sharing_a_weight_switch_on_together_or_not_at_all():
+    """``a`` claims W; ``b`` claims W and X, and X is also held outside the contract: ``b``
+    cannot switch on, so W stays on the hook's path, and so ``a`` must stay off too (else its
+    backward would add into main_grad and the hook would add its placeholder as well)."""
+
+    class Claimer(nn.Module):
+        def __init__(self, *weights):
+            super().__init__()
+            self.ws = nn.ParameterList(weights)
+            self.on = False
+
+        def main_grad_accumulation_params(self):
+            return list(self.ws)
+
+        def enable_main_grad_accumulation(self):
+            self.on = True
+
+    w, x = nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(2, 2))
+    module = nn.Module()
+    module.a, module.b = Claimer(w), Claimer(w, x)
+    module.other = nn.Linear(2, 2)
+    module.other.weight = x  # outside the contract
+    assert enable_wgrad_fusion(module) == 0
+    assert not module.a.on and not module.b.on
+    assert not getattr(w, "wgrad_fused", False) and not getattr(x, "wgrad_fused", False)
+    module.other.weight = nn.Parameter(torch.zeros(2, 2))  # X no longer shared: both switch on
+    assert enable_wgrad_fusion(module) == 2 and module.a.on and module.b.on

@@ -114,10 +114,11 @@ class _MainGradAccumulation:
 
     Under torch.compile TE 2.20.2 runs a plain ``te.Linear`` with ``fuse_wgrad_accumulation``
     through its eager fallback, behind a graph break (``LayerNormLinear`` and ``LayerNormMLP``
-    stay out of dynamo in any case). It is switched on for ``te.Linear`` too because that
-    measured faster on one H100 (reference model, te bf16 compiled): 1.289 s/iter with every
-    TE module accumulating, 1.584 s with only the fused leaves doing so (benchmarks/RESULTS.md;
-    why the compiled ``te.Linear`` costs that much is not understood yet)."""
+    stay out of dynamo in any case). It is switched on for ``te.Linear`` too, as measured on one
+    H100 (reference model, te bf16 compiled): 1.289 s/iter with every TE module accumulating; a
+    later call with only the fused leaves accumulating gave an unexplained 1.584 s, and the first
+    session, with nothing accumulating, 1.273 s (benchmarks/RESULTS.md). Until both run in one
+    call, the measured setting stays."""
 
     def main_grad_accumulation_params(self) -> list[nn.Parameter]:
         return [self.weight] if self.weight.requires_grad else []

@@ -91,14 +91,17 @@ def block_backward(
 def merge_partial(
     out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge a partial result into a running one (online softmax), numerically stable; new
-    tensors (``merge_partial_into`` writes into the running ones instead).
+    """Merge a partial result into a running one (online softmax), numerically stable: new
+    tensors in the wider dtype, differentiable (the reference form; the ring uses
+    ``merge_partial_into``, which writes into its running tensors).
 
     out/part_out ``[b, sq, heads, d]``, lse/part_lse ``[b, heads, sq]``; a running lse of
     -inf (no keys seen yet) takes the partial as is."""
-    out, lse = out.clone(), lse.clone()
-    merge_partial_into(out, lse, part_out, part_lse)
-    return out, lse
+    new_lse = torch.logaddexp(lse, part_lse)
+    # [b, heads, sq] -> [b, sq, heads, 1] to weight the outputs
+    old_weight = torch.exp(lse - new_lse).transpose(1, 2).unsqueeze(-1)
+    part_weight = torch.exp(part_lse - new_lse).transpose(1, 2).unsqueeze(-1)
+    return out * old_weight + part_out * part_weight, new_lse
 
 
 def merge_partial_into(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:

@@ -7,8 +7,10 @@ the *final* output and log-sum-exp in backward, as ring attention needs. The ein
 materialises fp32 score matrices; this one keeps attention on tensor cores at bf16.
 
 Two kernels, both through ``torch.ops.aten``: cuDNN's fused attention (``"cudnn"``, what SDPA
-picks on Hopper and the faster there) and FlashAttention-2 (``"flash"``, any CUDA GPU of sm80
-or later). ``default_kernel`` picks cuDNN on sm90+ where SDPA's cuDNN backend is enabled.
+picks on Hopper and the faster there: sm90 or later, head dim up to 128) and FlashAttention-2
+(``"flash"``: sm80 or later, head dim up to 256), each only where SDPA's own switch for it
+(``torch.backends.cuda.*_sdp_enabled``) is on. ``default_kernel`` prefers cuDNN. The ring
+decides once per call, in forward, and its backward uses the same kernel.
 
 Grouped-query attention: key/value groups are repeated to the query heads for the kernel and
 their gradients summed back over the heads that share a group.

@@ -121,6 +121,7 @@ class RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.causal, ctx.scale = ring, causal, scale
+        ctx.kernel = kernel  # backward runs the forward's kernel, whatever the SDPA switches are then
         return out
 
     @staticmethod
@@ -130,8 +131,8 @@ class RingAttention(torch.autograd.Function):
         ring, causal, scale = ctx.ring, ctx.causal, ctx.scale
         chunk = q.size(1) // 2
         dtype = compute_dtype(q.dtype)
-        fused = flash_blocks_supported(q)
-        kernel = default_kernel(q) if fused else None
+        kernel = ctx.kernel
+        fused = kernel is not None
         if fused:
             dout = dout.to(q.dtype).contiguous()
         else:

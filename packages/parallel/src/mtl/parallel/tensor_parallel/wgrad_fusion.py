@@ -13,8 +13,8 @@ Autograd still needs a gradient for the weight, or the DataParallel post-accumul
 returns an uninitialised tensor, and the hook, seeing ``param.wgrad_fused``, drops it instead
 of adding it. That is only sound for a weight whose every use accumulates this way, so fusion
 is switched on per weight by ``enable_wgrad_fusion``: linears and an untied output layer (its
-fused loss, ``linear_cross_entropy``, accumulates each token chunk the same way), never a
-weight tied to the word embedding.
+fused loss, ``linear_cross_entropy``, accumulates the same way), never a weight tied to the
+word embedding.
 
 Another backend's module may take part by accumulating into ``main_grad`` in its own backward
 (mtl-te over Transformer Engine's ``fuse_wgrad_accumulation``); ``enable_wgrad_fusion`` says how.
@@ -115,8 +115,10 @@ def enable_wgrad_fusion(module: nn.Module) -> int:
     when every holder of every such weight (the module, its submodules and parameter views)
     agrees. A module that merely re-exposes another
     module's parameters under mtl's names sets ``mtl_parameter_view = True`` and is no
-    holder. Switched on, such a module must find ``param.main_grad`` at every backward (the
-    trainer calls this only with fp32 gradient buffers, which give every weight one)."""
+    holder. A claim covers the module and all its submodules: none of them may use a claimed
+    weight in a way that does not accumulate into ``main_grad`` (that gradient would be dropped).
+    Switched on, such a module must find ``param.main_grad`` at every backward (the trainer
+    calls this only with fp32 gradient buffers, which give every weight one)."""
     from mtl.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     claimed: dict[int, set[int]] = {}  # param id -> ids of the modules that accumulate it themselves
@@ -147,13 +149,22 @@ def enable_wgrad_fusion(module: nn.Module) -> int:
         param = params[key]
         if all(fusable_holders) and not getattr(param, "shared_embedding", False):
             fused.add(key)
-    for sub in module.modules():
-        if callable(getattr(sub, "main_grad_accumulation_params", None)):
-            mine = [p for p in sub.main_grad_accumulation_params() if id(p) in fused]
-            if mine and len(mine) == len(sub.main_grad_accumulation_params()):
-                sub.enable_main_grad_accumulation()
-            else:  # the module switches all its weights or none: the others keep the hook's path
-                fused.difference_update(id(p) for p in sub.main_grad_accumulation_params())
+    # A module switches all its weights or none, so a weight it cannot take takes its others
+    # out too, which may leave another module sharing one of them short: repeat until stable,
+    # then switch on only the modules whose every weight is still in.
+    claimers = [sub for sub in module.modules() if callable(getattr(sub, "main_grad_accumulation_params", None))]
+    changed = True
+    while changed:
+        changed = False
+        for sub in claimers:
+            ids = {id(p) for p in sub.main_grad_accumulation_params()}
+            if ids and not ids <= fused and ids & fused:
+                fused -= ids
+                changed = True
+    for sub in claimers:
+        ids = {id(p) for p in sub.main_grad_accumulation_params()}
+        if ids and ids <= fused:
+            sub.enable_main_grad_accumulation()
     for key in fused:
         params[key].wgrad_fused = True
     return len(fused)
