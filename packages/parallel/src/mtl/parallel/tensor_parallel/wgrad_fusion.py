@@ -112,11 +112,11 @@ def enable_wgrad_fusion(module: nn.Module) -> int:
     its own backward can accumulate into ``param.main_grad`` (with an fp32 accumulator) while
     still returning a gradient tensor for autograd's hooks, and
     ``enable_main_grad_accumulation()``, which switches that on; this function calls it only
-    when every holder of every such weight (the module, its submodules and parameter views)
-    agrees. A module that merely re-exposes another
-    module's parameters under mtl's names sets ``mtl_parameter_view = True`` and is no
-    holder. A claim covers the module and all its submodules: none of them may use a claimed
-    weight in a way that does not accumulate into ``main_grad`` (that gradient would be dropped).
+    when every holder of every such weight agrees, and for modules sharing a weight, for all
+    of them or none. A module that merely re-exposes another module's parameters under mtl's
+    names sets ``mtl_parameter_view = True`` and is no holder. A claim covers the module and
+    all its submodules: none of them may use a claimed weight in a way that does not
+    accumulate into ``main_grad`` (that gradient would be dropped).
     Switched on, such a module must find ``param.main_grad`` at every backward (the trainer
     calls this only with fp32 gradient buffers, which give every weight one)."""
     from mtl.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
