@@ -21,7 +21,8 @@ table goes on:
   ``bench.inductor.coordinate_descent_tuning=True``; ``bench.compile_mode=MODE`` compiles the
   regions with ``torch.compile(mode=MODE)``, e.g. ``reduce-overhead`` for CUDA graphs;
   ``bench.env.NAME=VALUE`` sets an environment variable in the row's process, e.g.
-  ``bench.env.MTL_FP8_WEIGHT_CACHE=0``).
+  ``bench.env.MTL_FP8_WEIGHT_CACHE=0``; ``bench.te_wgrad=all|leaves|none`` picks which TE
+  modules accumulate their weight gradients into ``main_grad`` (mtl-te: all)).
 
 Every system runs the same resolved config (``--config``, default the reference model
 ``llama_reference.toml``, plus ``--set``): same shapes, micro-batch, global batch. s/iter is
@@ -335,6 +336,21 @@ def _bench_keys(sets: list[str]) -> list[str]:
                 import mtl.train.setup as setup
 
                 setup.enable_wgrad_fusion = lambda module: 0  # bf16 grads added into main_grad by the hook
+        elif key.strip() == "bench.te_wgrad":
+            # which TE modules accumulate into main_grad: all (mtl-te's default), leaves (only
+            # LayerNormLinear / LayerNormMLP; a plain te.Linear then stays in the compiled graph), none
+            choice = value.strip().strip("'\"")
+            if choice not in ("all", "leaves", "none"):
+                raise SystemExit(f"bench.te_wgrad = {choice!r}: one of all, leaves, none")
+            import mtl.te.modules as te_modules
+
+            def claims_nothing(self):
+                return []
+
+            plain = (te_modules.TEColumnParallelLinear, te_modules.TERowParallelLinear)
+            every = (*plain, te_modules.TENormColumnParallelLinear, te_modules.TENormMLP)
+            for cls in {"all": (), "leaves": plain, "none": every}[choice]:
+                cls.main_grad_accumulation_params = claims_nothing
         elif key.strip().startswith("bench.inductor."):
             import ast
 
@@ -355,7 +371,7 @@ def _bench_keys(sets: list[str]) -> list[str]:
             torch.nn.Module.compile = functools.partialmethod(torch.nn.Module.compile,
                                                               mode=value.strip().strip("'\""))
         elif key.strip().startswith("bench."):
-            raise SystemExit(f"unknown bench key {key!r} (have bench.fused_loss, bench.wgrad_fusion, "
+            raise SystemExit(f"unknown bench key {key!r} (have bench.fused_loss, bench.wgrad_fusion, bench.te_wgrad, "
                              "bench.inductor.<torch._inductor.config name>, bench.compile_mode, bench.env.<NAME>)")
         else:
             rest.append(item)
