@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from mtl.parallel.context_parallel import flash_blocks
 from mtl.parallel.context_parallel.ring_attention import RingAttention
+from profile_step import kernels_per_call
 
 
 class LoopbackRing:
@@ -113,19 +114,9 @@ def main() -> None:
 
 
 def kernel_table(fn, calls: int = 5, rows: int = 20) -> str:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    events = [(e.self_device_time_total / calls / 1e3, e.count // calls, e.key) for e in prof.key_averages()
-              if e.self_device_time_total > 0]
-    events.sort(reverse=True)
-    total = sum(ms for ms, _, _ in events)
-    lines = [f"total {total:.3f} ms"] + [f"  {ms:7.3f}  x{n:<4d} {key[:100]}" for ms, n, key in events[:rows]]
+    events = kernels_per_call(fn, calls, warmup=1)
+    total = sum(ms for _, ms, _ in events)
+    lines = [f"total {total:.3f} ms"] + [f"  {ms:7.3f}  x{n:<4d} {key[:100]}" for key, ms, n in events[:rows]]
     return "\n".join(lines)
 
 

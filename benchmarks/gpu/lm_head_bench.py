@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
 from mtl.parallel.tensor_parallel.linear_cross_entropy import linear_cross_entropy
+from profile_step import kernels_per_call
 
 GEMM_KEYS = ("gemm", "nvjet", "cutlass", "sm90", "xmma", "matmul")
 
@@ -77,22 +77,17 @@ def gradients(step, x, w):
 
 
 def timed(step, x, w, calls: int):
-    for _ in range(3):
-        reset(x, w)
+    def call():
+        x.grad = None
+        w.grad = None
         step()
+
+    reset(x, w)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            x.grad = None
-            w.grad = None
-            step()
-        torch.cuda.synchronize()
+    rows = kernels_per_call(call, calls)
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    rows = [(e.key, e.self_device_time_total / calls / 1e3, e.count // calls) for e in prof.key_averages()
-            if e.self_device_time_total > 0]
-    rows.sort(key=lambda r: -r[1])
     return rows, peak
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
+
+from profile_step import kernels_per_call
 
 
 def swiglu_cat(fc1_out):
@@ -46,16 +47,7 @@ def rmsnorm_add_manual(x, residual, weight):
 
 
 def kernel_ms(fn, calls: int = 20) -> tuple[float, list[tuple[str, float]]]:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    rows = [(e.key, e.self_device_time_total / calls / 1e3) for e in prof.key_averages()
-            if e.self_device_time_total > 0]
-    rows.sort(key=lambda r: -r[1])
+    rows = [(key, ms) for key, ms, _ in kernels_per_call(fn, calls)]
     return sum(ms for _, ms in rows), rows
 
 

@@ -83,6 +83,15 @@ def _device_time(evt) -> float:
     return 0.0
 
 
+def kernels_per_call(fn: Callable[[], object], calls: int = 20, warmup: int = 3) -> list[tuple[str, float, int]]:
+    """(kernel, device ms per call, launches per call) of ``fn``, largest first: ``warmup``
+    calls, then ``calls`` profiled ones (the small benchmarks' kernel tables)."""
+    prof = profile_steps(fn, warmup=warmup, steps=calls)
+    rows = [(e.key, _device_time(e) / calls / 1e3, e.count // calls) for e in prof.key_averages()
+            if _device_time(e) > 0]
+    return sorted(rows, key=lambda r: -r[1])
+
+
 def category(name: str) -> str:
     lowered = name.lower()
     for label, pattern in CATEGORIES:
