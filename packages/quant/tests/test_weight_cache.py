@@ -154,6 +154,30 @@ def test_micro_batches_share_one_quantization(monkeypatch, count_refreshes):
     assert cached.weight_cache.stale and cached.weight_cache.value is None  # freed until the next forward
 
 
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_kept_in_place_for_cuda_graphs(monkeypatch, recipe):
+    """train.cuda_graphs: a captured forward reads the FP8 copy's addresses, so after an
+    optimizer step the copy is refreshed into the same tensors (before_graph_replay), and a
+    layer then computes what the uncached one does."""
+    cached, plain = twins(recipe, monkeypatch=monkeypatch)
+    cached.before_graph_capture()
+    x, dy = torch.randn(6, 2, 32), torch.randn(6, 2, 24)
+    assert_twins_agree(cached, plain, x, dy)
+    held = [t for pair in (cached.weight_cache.value.forward, cached.weight_cache.value.backward) for t in pair]
+    before = [t.clone() for t in held]
+    for layer in (cached, plain):
+        optimizer = torch.optim.AdamW(layer.parameters(), lr=0.05)
+        layer(x).square().sum().backward()
+        optimizer.step()
+    assert cached.weight_cache.stale and cached.weight_cache.value is not None  # kept, not freed
+    cached.before_graph_replay()
+    assert not cached.weight_cache.stale
+    now = [t for pair in (cached.weight_cache.value.forward, cached.weight_cache.value.backward) for t in pair]
+    assert all(a is b for a, b in zip(now, held))  # the same tensors, new contents
+    assert not torch.equal(held[0].float(), before[0].float())
+    assert_twins_agree(cached, plain, x, dy)
+
+
 # ---- under torch.compile -------------------------------------------------------------------
 
 

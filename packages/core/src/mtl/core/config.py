@@ -156,6 +156,11 @@ class TrainConfig:
     # (1.41x faster on the H100 reference model, benchmarks/RESULTS.md), off on CPU, and off
     # for FP8 on a backend whose FP8 modules do not compile (Backend.fp8_compiles, e.g. te)
     compile: bool | None = None
+    # CUDA graphs of each transformer layer's training forward and backward (Megatron's
+    # --enable-cuda-graph), captured before the first step: the host launches one graph per
+    # layer instead of every kernel. CUDA only; one GPU per model replica (tp = pp = cp = 1),
+    # dense layers, no recompute or dropout, not with FP8 delayed scaling
+    cuda_graphs: bool = False
     device: str = "auto"  # auto | cpu | cuda
     # a NaN/Inf loss or gradient norm stops the run; N > 0 skips (no update) up to N such steps
     skip_bad_steps: int = 0
@@ -243,6 +248,7 @@ class RunConfig:
         compile_unset = t.compile is None
         _resolve_train(t, p)
         _check_backend(m, t, compile_unset)
+        _check_cuda_graphs(m, p, t)
         cfg.resolved = True
         return cfg
 
@@ -482,6 +488,36 @@ def _resolve_train(t: TrainConfig, p: ParallelConfig) -> None:
         )
     if not 0.0 <= t.wsd_decay_fraction <= 1.0:
         raise ConfigError(f"train.wsd_decay_fraction = {t.wsd_decay_fraction} must be in [0, 1]")
+
+
+def _check_cuda_graphs(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> None:
+    """``train.cuda_graphs`` replays each layer's captured kernels with no Python in between,
+    so whatever needs the host between them, or a second copy of a layer's activations, is
+    refused here, before any work, with the key to change."""
+    if not t.cuda_graphs:
+        return
+    conflicts = [
+        (p.tp > 1, f"parallel.tp = {p.tp}", "1"),
+        (p.pp > 1, f"parallel.pp = {p.pp}", "1 (a pipeline keeps several micro-batches of a layer in flight)"),
+        (p.cp > 1, f"parallel.cp = {p.cp}", "1"),
+        (p.overlap_param_gather, "parallel.overlap_param_gather = true", "false (its waits run before each layer)"),
+        (m.num_experts > 0, f"model.num_experts = {m.num_experts}", "0 (routing sizes the experts' work on the host)"),
+        (t.recompute != "none", f"train.recompute = '{t.recompute}'", "'none'"),
+        (m.hidden_dropout > 0, f"model.hidden_dropout = {m.hidden_dropout}", "0"),
+        (m.attention_dropout > 0, f"model.attention_dropout = {m.attention_dropout}", "0"),
+        (t.fp8 == "delayed", "train.fp8 = 'delayed'", "'current' (the amax history is kept on the host's schedule)"),
+        (t.params_dtype != t.precision, f"train.params_dtype = '{t.params_dtype}' with precision '{t.precision}'",
+         f"'{t.precision}' (autocast's weight cache cannot be captured)"),
+    ]
+    for conflict, setting, fix in conflicts:
+        if conflict:
+            raise ConfigError(f"train.cuda_graphs = true does not work with {setting}: set it to {fix}, "
+                              "or train.cuda_graphs = false")
+    import torch  # noqa: PLC0415 (only to see whether this run will use CUDA)
+
+    if t.device == "cpu" or (t.device == "auto" and not torch.cuda.is_available()):
+        raise ConfigError("train.cuda_graphs = true needs a CUDA device (this run uses the CPU); "
+                          "set train.cuda_graphs = false")
 
 
 def _check_backend(m: ModelConfig, t: TrainConfig, compile_unset: bool = False) -> None:

@@ -45,6 +45,9 @@ class LanguageModel(Protocol):
       called by the schedule before each ``forward``.
     - ``compile_units() -> list[nn.Module]``: the repeated modules ``train.compile`` compiles
       one region each (the transformer layers).
+    - optional, ``capture_cuda_graphs(micro_batch_size) -> int``: capture the layers'
+      training forward and backward as CUDA graphs (``train.cuda_graphs``; a family without
+      it gets a clear error when the key is set).
     - ``pre_process`` / ``post_process``: whether this stage holds the embedding / the final
       norm, output layer and loss.
     - ``config``: the resolved ``RunConfig`` it was built from (generation reads

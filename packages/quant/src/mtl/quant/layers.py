@@ -116,6 +116,20 @@ class Fp8Gemm:
 
         return self.weight_cache.get(weight, build)
 
+    # train.cuda_graphs (mtl.models.gpt.cuda_graphs): the captured forward reads the cached
+    # FP8 weight's tensors, so they are kept and refreshed in place, before each replay.
+    def before_graph_capture(self) -> None:
+        if self.fp8.recipe == "delayed":
+            raise ConfigError("train.cuda_graphs = true does not work with train.fp8 = 'delayed'; use 'current'")
+        if self.weight_cache is not None:
+            self.weight_cache.keep_in_place()
+
+    def before_graph_replay(self) -> None:
+        if self.weight_cache is not None and self.weight_cache.stale:
+            plan = GemmPlan(rowwise=self.fp8.recipe == "rowwise", grad_dtype=self.grad_dtype, tp_group=self.tp_group,
+                            k_split=self.k_split)
+            self._cached_weight(plan, self.weight)
+
     def _plan_delayed(self, plan: GemmPlan, x: torch.Tensor, weight: torch.Tensor) -> None:
         """The scales from the amax history, through the ops of ``delayed.py`` (which tell a
         recompute from a forward at run time, so this compiles as one graph)."""

@@ -27,6 +27,11 @@ Under torch.compile the refresh is a Python branch on ``cache.stale``: dynamo gu
 flag and compiles two variants of the layer (refresh, reuse), both without graph breaks and
 without a recompile per call or per step.
 
+Under ``train.cuda_graphs`` the layer's captured forward reads the cached tensors' addresses
+and runs no Python, so the cache is switched to ``keep_in_place()``: marking it stale keeps the
+tensors, and the refresh (``before_graph_replay`` of the layer, before each replay) writes the
+new FP8 copy into them.
+
 ``MTL_FP8_WEIGHT_CACHE=0`` turns the cache off for layers built afterwards (the tests compare
 both paths; spawned ranks inherit it).
 """
@@ -45,7 +50,12 @@ ENV_SWITCH = "MTL_FP8_WEIGHT_CACHE"
 
 
 def caching_enabled() -> bool:
-    """Read when a layer is built: ``MTL_FP8_WEIGHT_CACHE=0`` turns the cache off."""
+    """Read when a layer is built: Under ``train.cuda_graphs`` the layer's captured forward reads the cached tensors' addresses
+and runs no Python, so the cache is switched to ``keep_in_place()``: marking it stale keeps the
+tensors, and the refresh (``before_graph_replay`` of the layer, before each replay) writes the
+new FP8 copy into them.
+
+``MTL_FP8_WEIGHT_CACHE=0`` turns the cache off."""
     return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
@@ -65,12 +75,19 @@ class WeightCache:
         self.stale = True
         self.value: QuantizedWeight | None = None
         self._key: tuple | None = None  # eager only: (version, storage) the value was built from
+        self.in_place = False  # refresh into the same tensors (a captured CUDA graph reads them)
         _CACHES.add(self)
 
+    def keep_in_place(self) -> None:
+        """From now on keep the FP8 tensors and refresh them in place (see the module docstring)."""
+        self.in_place = True
+
     def invalidate(self) -> None:
-        """Drop the FP8 copy (its memory is free until the next forward rebuilds it)."""
+        """Mark the FP8 copy stale; its memory is freed until the next forward rebuilds it,
+        unless the cache refreshes in place."""
         self.stale = True
-        self.value = None
+        if not self.in_place:
+            self.value = None
 
     def get(self, weight: torch.Tensor, quantize: Callable[[torch.Tensor], QuantizedWeight]) -> QuantizedWeight:
         """The cached FP8 weight, rebuilt with ``quantize(weight.detach())`` when stale. Every
@@ -83,9 +100,19 @@ class WeightCache:
             if key != self._key:
                 self._key, self.stale = key, True
         if self.stale:
-            self.value = quantize(weight.detach())
+            fresh = quantize(weight.detach())
+            if self.in_place and self.value is not None:
+                _copy_into(self.value, fresh)
+            else:
+                self.value = fresh
             self.stale = False
         return self.value
+
+
+def _copy_into(target: QuantizedWeight, source: QuantizedWeight) -> None:
+    for (q, scale), (new_q, new_scale) in ((target.forward, source.forward), (target.backward, source.backward)):
+        q.copy_(new_q)
+        scale.copy_(new_scale)
 
 
 _CACHES: weakref.WeakSet[WeightCache] = weakref.WeakSet()

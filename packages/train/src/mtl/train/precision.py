@@ -16,10 +16,12 @@ from mtl.core.config import TrainConfig
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def autocast(precision: str, device: torch.device):
+def autocast(precision: str, device: torch.device, cache_enabled: bool = True):
+    """The forward's autocast; ``cache_enabled=False`` for a CUDA graph capture, which cannot
+    keep autocast's cast weights (with bf16/fp16 weights there is nothing to cache anyway)."""
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
+    return torch.autocast(device_type=device.type, dtype=DTYPES[precision], cache_enabled=cache_enabled)
 
 
 @dataclass

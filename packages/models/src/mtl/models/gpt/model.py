@@ -22,6 +22,7 @@ from mtl.core.config import RunConfig
 from mtl.core.errors import ConfigError
 from mtl.core.registrations import Backend
 from mtl.core.spec import ModuleSpec, build_module
+from mtl.models.gpt.cuda_graphs import capture_layer_graphs
 from mtl.models.gpt.embedding import GPTEmbedding
 from mtl.models.gpt.inference_context import InferenceContext
 from mtl.models.gpt.layer_spec import layer_spec as gpt_layer_spec
@@ -119,6 +120,11 @@ class GPTModel(nn.Module):
         """What ``train.compile`` compiles, one region each: the transformer layers (one
         graph serves them all); embedding, head and loss stay eager."""
         return list(self.layers.values())
+
+    def capture_cuda_graphs(self, micro_batch_size: int) -> int:
+        """``train.cuda_graphs``: capture each layer's training forward and backward for
+        micro-batches of ``micro_batch_size`` (``cuda_graphs.py``); returns how many layers."""
+        return capture_layer_graphs(self, micro_batch_size, self.config.model.seq_length)
 
     def set_input_tensor(self, input_tensor: torch.Tensor) -> None:
         """The hidden states ``[s(/tp), b, h]`` a later pipeline stage starts from."""

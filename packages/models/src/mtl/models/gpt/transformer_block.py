@@ -25,6 +25,11 @@ class TransformerBlock(nn.ModuleDict):
             )
         super().__init__({str(i): build_module(spec, layer_number=i, topology=topology) for i in range(start, end)})
         self.recompute_full = recompute_full
+        self._graphed: dict = {}  # key -> cuda_graphs.GraphedLayer (train.cuda_graphs); not modules
+
+    def use_graphed_layers(self, graphed: dict) -> None:
+        """Replay these captured layers in training forwards (``cuda_graphs.capture_layer_graphs``)."""
+        self.__dict__["_graphed"] = graphed
 
     def forward(
         self,
@@ -33,8 +38,12 @@ class TransformerBlock(nn.ModuleDict):
         inference_context: InferenceContext | None = None,
     ) -> torch.Tensor:
         """[s(/tp), b, h] through every layer, in order."""
-        for layer in self.values():
-            if self.recompute_full and self.training:
+        replay = self._graphed and self.training and inference_context is None and torch.is_grad_enabled()
+        for key, layer in self.items():
+            graphed = self._graphed.get(key) if replay else None
+            if graphed is not None and graphed.matches(hidden):
+                hidden = graphed(hidden, rotary)
+            elif self.recompute_full and self.training:
                 hidden = checkpointed(layer, hidden, rotary, inference_context)
             else:
                 hidden = layer(hidden, rotary, inference_context)

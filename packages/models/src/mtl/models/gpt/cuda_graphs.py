@@ -1,0 +1,109 @@
+"""``train.cuda_graphs``: each transformer layer's training forward and backward captured as CUDA
+graphs (``torch.cuda.make_graphed_callables``), so a micro-batch costs the host one replay per
+layer and direction instead of launching every kernel (and, for eager backends such as
+Transformer Engine, running their Python) again.
+
+How it fits the rest:
+
+- A graph reads and writes fixed addresses. The layer's input and the rotary tables are
+  copied into the graph's own input tensors at each replay; its output and input gradient
+  live in the graphs' memory pool until the next replay. With one model replica per GPU and
+  no pipeline (``_check_cuda_graphs`` in mtl.core.config), micro-batch ``i``'s backward ends
+  before ``i + 1``'s forward starts, so one graph per layer and direction is enough.
+- Parameters, ``main_grad`` buffers and the optimizer's writes keep their addresses (updates
+  are in place), so replays see the new weights. Gradients leave the backward graph as
+  tensors autograd hands to the parameters as usual: data parallelism's hooks run unchanged.
+- A module whose forward keeps host-side state between steps says so with two methods:
+  ``before_graph_capture()`` (called once, before the warm-up runs) and
+  ``before_graph_replay()`` (called before every forward replay): the FP8 weight cache, for
+  one, refreshes its FP8 copy in place there after an optimizer step.
+- Capturing runs each layer forward and backward a few times on sample inputs. Their weight
+  gradients may land in ``main_grad`` (gradient-accumulation fusion), which the training step
+  zeroes before its first micro-batch; nothing else is changed.
+- Evaluation, generation (a KV cache) and any input of another shape run the layer as usual.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from mtl.core.log import get_logger
+
+log = get_logger(__name__)
+
+
+class _LayerCall(nn.Module):
+    """The call that is captured: ``(hidden, *rotary) -> hidden``, all tensors (what
+    ``make_graphed_callables`` takes), with the layer's parameters as its own."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden: torch.Tensor, *rotary: torch.Tensor) -> torch.Tensor:
+        return self.layer(hidden, tuple(rotary) if rotary else None, None)
+
+
+class GraphedLayer:
+    """One layer's captured training call, and the eager layer for everything else."""
+
+    def __init__(self, graphed: Callable, shape: torch.Size, replay_hooks: list[Callable[[], None]]):
+        self.graphed = graphed
+        self.shape = shape
+        self.replay_hooks = replay_hooks
+        self._warned = False
+
+    def matches(self, hidden: torch.Tensor) -> bool:
+        if hidden.shape == self.shape:
+            return True
+        if not self._warned:
+            log.warning("train.cuda_graphs: a layer input of shape %s, not the captured %s, runs eagerly",
+                        tuple(hidden.shape), tuple(self.shape))
+            self._warned = True
+        return False
+
+    def __call__(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        for hook in self.replay_hooks:
+            hook()
+        return self.graphed(hidden, *(rotary or ()))
+
+
+def _hooks(layer: nn.Module, name: str) -> list[Callable[[], None]]:
+    return [getattr(module, name) for module in layer.modules() if callable(getattr(module, name, None))]
+
+
+def capture_layer_graphs(model: nn.Module, micro_batch_size: int, seq_length: int) -> int:
+    """Capture every transformer layer of ``model`` (a GPT-family ``LanguageModel`` on a CUDA
+    device, in training mode) for inputs ``[seq_length, micro_batch_size, hidden]``; returns
+    how many were captured. The model's block then replays them in training forwards."""
+    block = model.layers
+    layers = list(block.values())
+    if not layers:
+        return 0
+    first = next(layers[0].parameters())
+    device, dtype = first.device, first.dtype
+    hidden_size = model.config.model.hidden_size
+    positions = torch.arange(seq_length, device=device).expand(micro_batch_size, seq_length)
+    rotary = tuple(model.rotary(positions)) if model.rotary is not None else ()
+    calls, samples = [], []
+    generator = torch.Generator(device=device).manual_seed(0)
+    for layer in layers:
+        for hook in _hooks(layer, "before_graph_capture"):
+            hook()
+        calls.append(_LayerCall(layer))
+        hidden = torch.randn(seq_length, micro_batch_size, hidden_size, device=device, dtype=dtype,
+                             generator=generator).requires_grad_()
+        samples.append((hidden, *(r.detach().clone() for r in rotary)))
+    # allow_unused_input: the rotary tables need no gradient, and a weight whose gradient the
+    # GEMM adds to main_grad itself may return none.
+    graphed = torch.cuda.make_graphed_callables(tuple(calls), tuple(samples), allow_unused_input=True)
+    shape = samples[0][0].shape
+    block.use_graphed_layers({
+        key: GraphedLayer(call, shape, _hooks(layer, "before_graph_replay"))
+        for key, layer, call in zip(block.keys(), layers, graphed)
+    })
+    log.info("train.cuda_graphs: %d layers captured for inputs %s", len(layers), tuple(shape))
+    return len(layers)
