@@ -19,7 +19,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 GPU_TINY = [o for o in TINY if not o.startswith(("train.device", "train.iters", "model.hidden_size",
                                                  "model.seq_length", "train.eval_interval"))] + [
     "train.device='cuda'", "train.iters=5", "model.hidden_size=64", "model.seq_length=32",
-    "train.precision='bf16'", "train.eval_interval=2", "train.eval_iters=1",
+    "train.precision='bf16'", "train.eval_interval=2", "train.eval_iters=1", "train.lr=1e-2",
 ]
 
 BACKENDS = {
@@ -53,7 +53,9 @@ def test_captured_layers_train_as_the_eager_layers(backend, compile_):
         # the same kernels on the same inputs: equal, up to a reduction a captured kernel
         # may order differently (cuBLAS picks its algorithm per stream)
         assert graphed[step] == pytest.approx(eager[step], rel=1e-5, abs=0), (backend, step, graphed, eager)
-    assert eager[5] < eager[1]  # it learned: a graph that kept stale weights would not match
+    # and the graphs see each step's new weights: with none (lr 0) the last loss is another
+    frozen = _losses([*base, "train.cuda_graphs=true", "train.lr=0"])
+    assert abs(frozen[5] - eager[5]) > 100 * 1e-5 * eager[5], (frozen, eager)
 
 
 @pytest.mark.parametrize("setting, named", [

@@ -99,7 +99,17 @@ def capture_layer_graphs(model: nn.Module, micro_batch_size: int, seq_length: in
         samples.append((hidden, *(r.detach().clone() for r in rotary)))
     # allow_unused_input: the rotary tables need no gradient, and a weight whose gradient the
     # GEMM adds to main_grad itself may return none.
-    graphed = torch.cuda.make_graphed_callables(tuple(calls), tuple(samples), allow_unused_input=True)
+    # The warm-up runs on a side stream, where autograd warns that parameters' AccumulateGrad
+    # nodes (kept by data parallelism's hooks) live on another; the warm-up's autograd.grad
+    # accumulates nothing, and the replays run on the step's stream.
+    warn = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
+    if warn is not None:
+        warn(False)
+    try:
+        graphed = torch.cuda.make_graphed_callables(tuple(calls), tuple(samples), allow_unused_input=True)
+    finally:
+        if warn is not None:
+            warn(True)
     shape = samples[0][0].shape
     block.use_graphed_layers({
         key: GraphedLayer(call, shape, _hooks(layer, "before_graph_replay"))
