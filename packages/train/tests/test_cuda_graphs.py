@@ -1,9 +1,15 @@
 """``train.cuda_graphs``: the captured layers give the numbers the eager layers give.
 
-On a GPU: a few steps of a tiny GPT with every backend installed here, graphs on against off,
-compiled and not, with an evaluation in between (it runs the layers eagerly) and, for the FP8
-backend, the weight cache refreshed in place after every optimizer step. On any machine: the
-settings it cannot run with are refused before any work, naming the key."""
+On a GPU: a few steps of a tiny GPT on real text (the demo corpus, byte tokenizer) with every
+backend installed here, graphs on against off, compiled and not, with an evaluation in between
+(it runs the layers eagerly) and, for the FP8 backend, the weight cache refreshed in place after
+every optimizer step; a run with lr 0 shows the graphs see every step's new weights. On any
+machine: the settings it cannot run with are refused before any work, naming the key.
+
+bf16 layers replay the eager kernels exactly. FP8 ones match eager to 2.4e-5 in the first loss
+(measured on an H100: cuBLASLt's FP8 GEMMs under capture are not bit-equal), and Adam's first
+steps, which move each weight by about lr whatever its gradient's size, turn that into ~1e-3
+later; the FP8 bound says so, and stays far below what the lr-0 run differs by."""
 
 import importlib.util
 
@@ -12,22 +18,33 @@ import torch
 
 from mtl.core.config_io import load_config
 from mtl.core.errors import ConfigError
+from mtl.data.demo_corpus import write_demo_corpus
+from mtl.data.preprocess import preprocess
 from mtl.train.testing import TINY
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-GPU_TINY = [o for o in TINY if not o.startswith(("train.device", "train.iters", "model.hidden_size",
-                                                 "model.seq_length", "train.eval_interval"))] + [
+GPU_TINY = [o for o in TINY if not o.startswith(("train.device", "train.iters", "model.hidden_size", "data.dataset",
+                                                 "model.seq_length", "train.eval_interval", "train.lr="))] + [
     "train.device='cuda'", "train.iters=5", "model.hidden_size=64", "model.seq_length=32",
     "train.precision='bf16'", "train.eval_interval=2", "train.eval_iters=1", "train.lr=1e-2",
 ]
 
+# name: (overrides, module it needs, relative bound on the first loss, on later ones)
 BACKENDS = {
-    "local": ([], None),
-    "fp8-current": (["model.backend='fp8'", "train.fp8='current'"], "mtl.quant"),
-    "te": (["model.backend='te'"], "transformer_engine"),
-    "te-fp8-current": (["model.backend='te'", "train.fp8='current'"], "transformer_engine"),
+    "local": ([], None, 1e-5, 1e-5),
+    "fp8-current": (["model.backend='fp8'", "train.fp8='current'"], "mtl.quant", 1e-4, 1e-2),
+    "te": (["model.backend='te'"], "transformer_engine", 1e-5, 1e-5),
+    "te-fp8-current": (["model.backend='te'", "train.fp8='current'"], "transformer_engine", 1e-4, 1e-2),
 }
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    work = tmp_path_factory.mktemp("corpus")
+    write_demo_corpus(str(work / "demo.jsonl"), num_docs=200, seed=0)
+    preprocess(str(work / "demo.jsonl"), str(work / "demo"), "byte", append_eod=True, progress=False)
+    return ["data.dataset='gpt'", f"data.paths=['{work / 'demo'}']", f"data.cache_dir='{work / 'cache'}'"]
 
 
 def _losses(overrides: list[str]) -> dict[int, float]:
@@ -39,23 +56,22 @@ def _losses(overrides: list[str]) -> dict[int, float]:
 @needs_cuda
 @pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("backend", list(BACKENDS))
-def test_captured_layers_train_as_the_eager_layers(backend, compile_):
-    overrides, needs = BACKENDS[backend]
+def test_captured_layers_train_as_the_eager_layers(corpus, backend, compile_):
+    overrides, needs, first_bound, later_bound = BACKENDS[backend]
     if needs is not None and importlib.util.find_spec(needs) is None:
         pytest.skip(f"{needs} is not installed")
     if needs == "mtl.quant" and backend == "fp8-current" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 GEMMs need sm89+")
-    base = [*GPU_TINY, *overrides, f"train.compile={str(compile_).lower()}"]
+    base = [*GPU_TINY, *corpus, *overrides, f"train.compile={str(compile_).lower()}"]
     eager = _losses(base)
     graphed = _losses([*base, "train.cuda_graphs=true"])
     assert sorted(graphed) == sorted(eager) == [1, 2, 3, 4, 5]
     for step in eager:
-        # the same kernels on the same inputs: equal, up to a reduction a captured kernel
-        # may order differently (cuBLAS picks its algorithm per stream)
-        assert graphed[step] == pytest.approx(eager[step], rel=1e-5, abs=0), (backend, step, graphed, eager)
-    # and the graphs see each step's new weights: with none (lr 0) the last loss is another
+        bound = first_bound if step == 1 else later_bound
+        assert graphed[step] == pytest.approx(eager[step], rel=bound, abs=0), (backend, step, graphed, eager)
+    # and the graphs see each step's new weights: with none (lr 0) the last loss is far off
     frozen = _losses([*base, "train.cuda_graphs=true", "train.lr=0"])
-    assert abs(frozen[5] - eager[5]) > 100 * 1e-5 * eager[5], (frozen, eager)
+    assert eager[5] < frozen[5] - 10 * later_bound * eager[5], (frozen, eager)
 
 
 @pytest.mark.parametrize("setting, named", [
