@@ -337,8 +337,8 @@ def _bench_keys(sets: list[str]) -> list[str]:
 
                 setup.enable_wgrad_fusion = lambda module: 0  # bf16 grads added into main_grad by the hook
         elif key.strip() == "bench.te_wgrad":
-            # which TE modules accumulate into main_grad: all (mtl-te's default), leaves (only
-            # LayerNormLinear / LayerNormMLP; a plain te.Linear then stays in the compiled graph), none
+            # which TE modules accumulate into main_grad: all, leaves (only LayerNormLinear /
+            # LayerNormMLP; a plain te.Linear then stays in the compiled graph: mtl-te's bf16 default), none
             choice = value.strip().strip("'\"")
             if choice not in ("all", "leaves", "none"):
                 raise SystemExit(f"bench.te_wgrad = {choice!r}: one of all, leaves, none")
@@ -351,6 +351,9 @@ def _bench_keys(sets: list[str]) -> list[str]:
             every = (*plain, te_modules.TENormColumnParallelLinear, te_modules.TENormMLP)
             for cls in {"all": (), "leaves": plain, "none": every}[choice]:
                 cls.main_grad_accumulation_params = claims_nothing
+            if choice == "all":  # the plain linears too, FP8 or not
+                for cls in plain:
+                    cls.main_grad_accumulation_params = te_modules._MainGradAccumulation.main_grad_accumulation_params
         elif key.strip().startswith("bench.inductor."):
             import ast
 

@@ -84,18 +84,20 @@ class EagerFp8Plugin:
         return [Backend(**{**backend.__dict__, "fp8_recipes": ("current",), "fp8_compiles": False})]
 
 
-@pytest.mark.parametrize("given, fp8, expected", [
-    (None, "current", False),  # derived: off for this backend's FP8
-    (None, "none", True),  # derived: on (a CUDA run), FP8 off
-    (True, "current", True),  # given: kept
+@pytest.mark.parametrize("given, fp8, graphs, expected", [
+    (None, "current", False, False),  # derived: off for this backend's FP8
+    (None, "none", False, True),  # derived: on (a CUDA run), FP8 off
+    (True, "current", False, True),  # given: kept
+    (None, "current", True, True),  # captured layers: the graph breaks cost the host nothing
 ])
-def test_compile_default_off_for_a_backend_whose_fp8_does_not_compile(given, fp8, expected):
+def test_compile_default_off_for_a_backend_whose_fp8_does_not_compile(given, fp8, graphs, expected):
     from mtl.core.config_io import load_config
 
     plugin = EagerFp8Plugin()
     plugins.register_plugin(plugin, name="eager-fp8")
     try:
-        overrides = ["model.backend='eager-fp8'", f"train.fp8='{fp8}'", "train.device='cuda'"]
+        overrides = ["model.backend='eager-fp8'", f"train.fp8='{fp8}'", "train.device='cuda'",
+                     f"train.cuda_graphs={str(graphs).lower()}"]
         if given is not None:
             overrides.append(f"train.compile={str(given).lower()}")
         assert load_config(None, overrides).resolve(tokenizer_vocab_size=257).train.compile is expected

@@ -155,6 +155,7 @@ class TrainConfig:
     # regional torch.compile of each transformer layer; derived: on where the run uses CUDA
     # (1.41x faster on the H100 reference model, benchmarks/RESULTS.md), off on CPU, and off
     # for FP8 on a backend whose FP8 modules do not compile (Backend.fp8_compiles, e.g. te)
+    # unless train.cuda_graphs is on
     compile: bool | None = None
     # CUDA graphs of each transformer layer's training forward and backward (Megatron's
     # --enable-cuda-graph), captured before the first step: the host launches one graph per
@@ -543,5 +544,7 @@ def _check_backend(m: ModelConfig, t: TrainConfig, compile_unset: bool = False) 
             f"train.fp8 = '{t.fp8}' is not a recipe of model.backend = '{m.backend}' (it has: "
             f"{', '.join(backend.fp8_recipes) or 'no FP8'}){offer}; set train.fp8 = 'none' or change model.backend"
         )
-    if compile_unset and t.fp8 != "none" and not backend.fp8_compiles:
-        t.compile = False  # its FP8 modules stay eager: graph breaks around each cost more than compile gains
+    if compile_unset and t.fp8 != "none" and not backend.fp8_compiles and not t.cuda_graphs:
+        # its FP8 modules stay eager: graph breaks around each cost more than compile gains,
+        # unless the layers are captured (train.cuda_graphs), where the host's cost is gone
+        t.compile = False

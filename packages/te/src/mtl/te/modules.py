@@ -110,15 +110,7 @@ def _switch_on_main_grad_accumulation(te_module: nn.Module, weights: list[nn.Par
 
 class _MainGradAccumulation:
     """mtl.parallel's gradient-accumulation fusion contract (``enable_wgrad_fusion``) for a TE
-    module whose one weight is ``self.weight``.
-
-    Under torch.compile TE 2.20.2 runs a plain ``te.Linear`` with ``fuse_wgrad_accumulation``
-    through its eager fallback, behind a graph break (``LayerNormLinear`` and ``LayerNormMLP``
-    stay out of dynamo in any case). It is switched on for ``te.Linear`` too, as measured on one
-    H100 (reference model, te bf16 compiled): 1.289 s/iter with every TE module accumulating; a
-    later call with only the fused leaves accumulating gave an unexplained 1.584 s, and the first
-    session, with nothing accumulating, 1.273 s (benchmarks/RESULTS.md). Until both run in one
-    call, the measured setting stays."""
+    module whose one weight is ``self.weight``."""
 
     def main_grad_accumulation_params(self) -> list[nn.Parameter]:
         return [self.weight] if self.weight.requires_grad else []
@@ -200,7 +192,22 @@ class _Fp8Forward:
         return _fp8_call(super().forward, self._te_recipe, self._amax_group, x, *args, **kwargs)
 
 
-class TEColumnParallelLinear(_MainGradAccumulation, _Fp8StateAsTensors, _Fp8Forward, te.Linear):
+class _PlainLinearAccumulation(_MainGradAccumulation):
+    """A plain ``te.Linear`` accumulates into ``main_grad`` only under FP8.
+
+    Under torch.compile TE 2.20.2 runs a ``te.Linear`` with ``fuse_wgrad_accumulation`` through
+    its eager fallback, behind a graph break; without it the linear compiles with its layer and
+    the DataParallel hook adds its gradient. Measured in one call on an H100 (reference model, te
+    bf16 compiled, benchmarks/RESULTS.md): 1.202 s/iter with only the fused leaves accumulating
+    against 1.300 s with this linear accumulating too (1.173 against 1.170 under
+    ``train.cuda_graphs``, where host work no longer shows). An FP8 TE module runs eagerly in any
+    case (``_fp8_call``), so there the fused accumulation costs nothing and saves the add."""
+
+    def main_grad_accumulation_params(self) -> list[nn.Parameter]:
+        return super().main_grad_accumulation_params() if self._te_recipe is not None else []
+
+
+class TEColumnParallelLinear(_PlainLinearAccumulation, _Fp8StateAsTensors, _Fp8Forward, te.Linear):
     def __init__(self, input_size: int, output_size: int, *, bias: bool, init_std: float, topology,
                  gather_output: bool = False, sequence_parallel: bool = False, stride: int = 1,
                  fp8: Fp8Settings | None = None):
@@ -214,7 +221,7 @@ class TEColumnParallelLinear(_MainGradAccumulation, _Fp8StateAsTensors, _Fp8Forw
         self._setup_fp8(fp8, group)
 
 
-class TERowParallelLinear(_MainGradAccumulation, _Fp8StateAsTensors, _Fp8Forward, te.Linear):
+class TERowParallelLinear(_PlainLinearAccumulation, _Fp8StateAsTensors, _Fp8Forward, te.Linear):
     def __init__(self, input_size: int, output_size: int, *, bias: bool, init_std: float, topology,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, fp8: Fp8Settings | None = None):
         if not input_is_parallel:
