@@ -191,3 +191,13 @@ def test_delayed_compiles_once():
         for a, b in zip(eager[0], got[0]):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_rowwise_on_a_cpu_torch_without_it_is_a_clear_error(monkeypatch):
+    from mtl.quant import scaled_matmul
+
+    monkeypatch.setattr(scaled_matmul, "CPU_ROWWISE", False)  # as torch 2.11 on CPU
+    a = torch.ones(16, 32).to(torch.float8_e4m3fn)
+    scale = torch.ones(16, 1)
+    with pytest.raises(RuntimeError, match="train.fp8 = 'rowwise' on CPU needs torch >= 2.13"):
+        scaled_matmul.scaled_mm(a, scale, a, scale, torch.float32)

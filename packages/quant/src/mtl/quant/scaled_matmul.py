@@ -26,6 +26,8 @@ def _round_up(n: int) -> int:
 # costs the host more per call (an empty op: 6.7 against 2.4 us on a CPU), which a host-bound
 # FP8 step pays in full.
 _LIB = torch.library.Library("mtl", "FRAGMENT")
+# torch._scaled_mm takes row-wise scales on CPU from torch 2.13 on; 2.11's asserts inside oneDNN
+CPU_ROWWISE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 _LIB.define("fp8_gemm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, ScalarType out_dtype) -> Tensor")
 
 
@@ -41,6 +43,10 @@ def _fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
     benchmarks/RESULTS.md)."""
     rowwise = a_scale.dim() > 0
     if not a.is_cuda:
+        if rowwise and not CPU_ROWWISE:
+            raise RuntimeError(
+                f"train.fp8 = 'rowwise' on CPU needs torch >= 2.13 (this is {torch.__version__}, whose "
+                "torch._scaled_mm takes per-tensor scales only on CPU); use train.fp8 = 'current' or a CUDA device")
         return torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale.t() if rowwise else b_scale,
                                 out_dtype=out_dtype)
     (m, k), n = a.shape, b.shape[0]
