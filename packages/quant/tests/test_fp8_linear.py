@@ -193,6 +193,7 @@ def test_delayed_compiles_once():
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
+@pytest.mark.any_torch
 def test_rowwise_on_a_cpu_torch_without_it_is_a_clear_error(monkeypatch):
     from mtl.quant import scaled_matmul
 

@@ -158,9 +158,10 @@ class TrainConfig:
     # unless train.cuda_graphs is on
     compile: bool | None = None
     # CUDA graphs of each transformer layer's training forward and backward (Megatron's
-    # --enable-cuda-graph), captured before the first step: the host launches one graph per
-    # layer instead of every kernel. CUDA only; one GPU per model replica (tp = pp = cp = 1),
-    # dense layers, no recompute or dropout, not with FP8 delayed scaling
+    # --enable-cuda-graph), captured on the first step: the host launches one graph per layer
+    # instead of every kernel (pays where the host is the bottleneck, as with te; not for local
+    # or fp8: benchmarks/RESULTS.md). CUDA, one GPU (no tp/pp/cp/dp), dense layers, no recompute or
+    # dropout, not FP8 delayed scaling
     cuda_graphs: bool = False
     device: str = "auto"  # auto | cpu | cuda
     # a NaN/Inf loss or gradient norm stops the run; N > 0 skips (no update) up to N such steps
@@ -498,6 +499,10 @@ def _check_cuda_graphs(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> Non
     if not t.cuda_graphs:
         return
     conflicts = [
+        # data parallelism looks sound on paper (the hooks run after each layer's backward
+        # replay) but has not run with captured layers: refused until a multi-GPU test has
+        (p.dp is not None and p.dp > 1, f"data parallelism (parallel.dp = {p.dp}, from the world size)",
+         "1 process (captured layers are verified on one GPU only so far)"),
         (p.tp > 1, f"parallel.tp = {p.tp}", "1"),
         (p.pp > 1, f"parallel.pp = {p.pp}", "1 (a pipeline keeps several micro-batches of a layer in flight)"),
         (p.cp > 1, f"parallel.cp = {p.cp}", "1"),

@@ -125,7 +125,9 @@ class Fp8Gemm:
             self.weight_cache.keep_in_place()
 
     def before_graph_replay(self) -> None:
-        if self.weight_cache is not None and self.weight_cache.stale:
+        # every time, not only when marked stale: the cache's own check also sees an in-place
+        # edit of the weight (its version counter), which a captured forward cannot look at
+        if self.weight_cache is not None:
             plan = GemmPlan(rowwise=self.fp8.recipe == "rowwise", grad_dtype=self.grad_dtype, tp_group=self.tp_group,
                             k_split=self.k_split)
             self._cached_weight(plan, self.weight)

@@ -50,12 +50,7 @@ ENV_SWITCH = "MTL_FP8_WEIGHT_CACHE"
 
 
 def caching_enabled() -> bool:
-    """Read when a layer is built: Under ``train.cuda_graphs`` the layer's captured forward reads the cached tensors' addresses
-and runs no Python, so the cache is switched to ``keep_in_place()``: marking it stale keeps the
-tensors, and the refresh (``before_graph_replay`` of the layer, before each replay) writes the
-new FP8 copy into them.
-
-``MTL_FP8_WEIGHT_CACHE=0`` turns the cache off."""
+    """Read when a layer is built: ``MTL_FP8_WEIGHT_CACHE=0`` turns the cache off."""
     return os.environ.get(ENV_SWITCH, "1") != "0"
 
 

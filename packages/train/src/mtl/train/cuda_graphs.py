@@ -1,7 +1,8 @@
 """``train.cuda_graphs``: the training step captures the model's layers before its first
-micro-batch (the family's ``capture_cuda_graphs``, e.g. mtl.models.gpt.cuda_graphs) and, from
-then on, the model replays them. Captured lazily, in the step, so that a checkpoint loaded
-after setup is in place and the capture's warm-up gradients are zeroed with the step's."""
+micro-batch (the family's ``capture_cuda_graphs``, e.g. mtl.models.gpt.cuda_graphs), and the
+model replays them from then on; before every later step the family checks that nothing the
+graphs read has moved. Captured lazily, in the step, so that a checkpoint loaded after setup
+is in place and the capture's warm-up gradients are zeroed with the step's."""
 
 from __future__ import annotations
 
@@ -12,13 +13,12 @@ from mtl.core.errors import ConfigError
 from mtl.train.precision import autocast
 
 
-def capture_once(config: RunConfig, chunks: list, device: torch.device) -> None:
-    """Capture each model chunk's layers on its first training step (a no-op afterwards),
-    under the forward's autocast, as the step runs them."""
+def capture_or_check(config: RunConfig, chunks: list, device: torch.device) -> None:
+    """Capture each model chunk's layers on its first training step, under the forward's
+    autocast, as the step runs them; on later steps the family checks that nothing the graphs
+    read has moved."""
     for chunk in chunks:
         model = getattr(chunk, "module", chunk)  # inside the DataParallel wrapper
-        if getattr(model, "_mtl_cuda_graphs_captured", False):
-            continue
         capture = getattr(model, "capture_cuda_graphs", None)
         if capture is None:
             raise ConfigError(
@@ -27,4 +27,3 @@ def capture_once(config: RunConfig, chunks: list, device: torch.device) -> None:
             )
         with autocast(config.train.precision, device, cache_enabled=False):
             capture(config.train.micro_batch_size)
-        model._mtl_cuda_graphs_captured = True

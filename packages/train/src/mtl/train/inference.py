@@ -24,6 +24,9 @@ def single_process_config(saved: dict) -> RunConfig:
     # Resolved model values are kept (they describe the stored tensors) except the padded
     # vocabulary, which depends on tp; the stored tables have the true vocabulary's rows at any tp.
     data["model"]["padded_vocab_size"] = None
+    # captured layers are a training setting (CUDA, one GPU): loading for inference or export
+    # runs the layers as they are, on any device
+    data["train"]["cuda_graphs"] = False
     return config_from_dict(data)
 
 

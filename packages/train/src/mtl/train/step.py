@@ -13,7 +13,7 @@ from mtl.core.config import RunConfig
 from mtl.models.moe import set_aux_loss_scale
 from mtl.parallel.topology import Topology
 from mtl.parallel.ddp import accumulated_grad
-from mtl.train.cuda_graphs import capture_once
+from mtl.train.cuda_graphs import capture_or_check
 from mtl.train.precision import DTYPES, LossScaler, autocast
 
 
@@ -121,7 +121,7 @@ def queue_train_step(config: RunConfig, topology: Topology, chunks: list, optimi
     from mtl.parallel.pipeline import allreduce_shared_embedding_grads
 
     if config.train.cuda_graphs:
-        capture_once(config, chunks, device)  # before zero_grad: the capture's warm-up gradients go with it
+        capture_or_check(config, chunks, device)  # before zero_grad: the capture's warm-up gradients go with it
     for chunk in chunks:
         chunk.zero_grad()
         if config.model.num_experts and scaler.dynamic:  # fp16: the routers' losses get the loss scale too

@@ -11,7 +11,8 @@ How it fits the rest:
   no pipeline (``_check_cuda_graphs`` in mtl.core.config), micro-batch ``i``'s backward ends
   before ``i + 1``'s forward starts, so one graph per layer and direction is enough.
 - Parameters, ``main_grad`` buffers and the optimizer's writes keep their addresses (updates
-  are in place), so replays see the new weights. Gradients leave the backward graph as
+  are in place), so replays see the new weights; every step checks that they have not moved
+  (a tensor assigned over one is an error, not a replay over freed memory). Gradients leave the backward graph as
   tensors autograd hands to the parameters as usual: data parallelism's hooks run unchanged.
 - A module whose forward keeps host-side state between steps says so with two methods:
   ``before_graph_capture()`` (called once, before the warm-up runs) and
@@ -47,23 +48,48 @@ class _LayerCall(nn.Module):
         return self.layer(hidden, tuple(rotary) if rotary else None, None)
 
 
+def _addresses(layer: nn.Module) -> dict[str, int]:
+    """Where the layer's parameters and their ``main_grad`` buffers live: a graph reads them there."""
+    found = {}
+    for name, param in layer.named_parameters():
+        found[name] = param.data_ptr()
+        main_grad = getattr(param, "main_grad", None)
+        if main_grad is not None:
+            found[f"{name}.main_grad"] = main_grad.data_ptr()
+    return found
+
+
 class GraphedLayer:
     """One layer's captured training call, and the eager layer for everything else."""
 
-    def __init__(self, graphed: Callable, shape: torch.Size, replay_hooks: list[Callable[[], None]]):
+    def __init__(self, layer: nn.Module, graphed: Callable, sample: torch.Tensor):
+        self.layer = layer
         self.graphed = graphed
-        self.shape = shape
-        self.replay_hooks = replay_hooks
+        self.shape, self.dtype = sample.shape, sample.dtype
+        self.replay_hooks = _hooks(layer, "before_graph_replay")
+        self.addresses = _addresses(layer)
         self._warned = False
 
     def matches(self, hidden: torch.Tensor) -> bool:
-        if hidden.shape == self.shape:
+        if hidden.shape == self.shape and hidden.dtype == self.dtype:
             return True
         if not self._warned:
-            log.warning("train.cuda_graphs: a layer input of shape %s, not the captured %s, runs eagerly",
-                        tuple(hidden.shape), tuple(self.shape))
+            log.warning("train.cuda_graphs: a layer input of shape %s (%s), not the captured %s (%s), runs eagerly",
+                        tuple(hidden.shape), hidden.dtype, tuple(self.shape), self.dtype)
             self._warned = True
         return False
+
+    def check_addresses(self, key: str) -> None:
+        """Fail loudly if a tensor the graphs read has moved (``param.data = ...``,
+        ``module.to(...)``, ``load_state_dict(assign=True)`` after the capture): a replay would
+        read freed memory."""
+        now = _addresses(self.layer)
+        moved = [name for name, address in self.addresses.items() if now.get(name) != address]
+        if moved:
+            raise RuntimeError(
+                f"train.cuda_graphs: {', '.join(f'layers.{key}.{name}' for name in moved[:3])} moved after the "
+                "layer was captured (a new tensor was assigned to it); the graphs would read freed memory. "
+                "Change parameters in place (copy_), or set train.cuda_graphs = false")
 
     def __call__(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         for hook in self.replay_hooks:
@@ -78,8 +104,13 @@ def _hooks(layer: nn.Module, name: str) -> list[Callable[[], None]]:
 def capture_layer_graphs(model: nn.Module, micro_batch_size: int, seq_length: int) -> int:
     """Capture every transformer layer of ``model`` (a GPT-family ``LanguageModel`` on a CUDA
     device, in training mode) for inputs ``[seq_length, micro_batch_size, hidden]``; returns
-    how many were captured. The model's block then replays them in training forwards."""
+    how many were captured. The model's block then replays them in training forwards. Called
+    again (every step), it only checks that nothing the graphs read has moved, and returns 0."""
     block = model.layers
+    if block.graphed_layers:
+        for key, graphed in block.graphed_layers.items():
+            graphed.check_addresses(key)
+        return 0
     layers = list(block.values())
     if not layers:
         return 0
@@ -110,10 +141,8 @@ def capture_layer_graphs(model: nn.Module, micro_batch_size: int, seq_length: in
     finally:
         if warn is not None:
             warn(True)
-    shape = samples[0][0].shape
     block.use_graphed_layers({
-        key: GraphedLayer(call, shape, _hooks(layer, "before_graph_replay"))
-        for key, layer, call in zip(block.keys(), layers, graphed)
+        key: GraphedLayer(layer, call, sample[0]) for key, layer, call, sample in zip(block.keys(), layers, graphed, samples)
     })
-    log.info("train.cuda_graphs: %d layers captured for inputs %s", len(layers), tuple(shape))
+    log.info("train.cuda_graphs: %d layers captured for inputs %s", len(layers), tuple(samples[0][0].shape))
     return len(layers)

@@ -123,7 +123,8 @@ class GPTModel(nn.Module):
 
     def capture_cuda_graphs(self, micro_batch_size: int) -> int:
         """``train.cuda_graphs``: capture each layer's training forward and backward for
-        micro-batches of ``micro_batch_size`` (``cuda_graphs.py``); returns how many layers."""
+        micro-batches of ``micro_batch_size`` (``cuda_graphs.py``); returns how many layers.
+        Later calls check that nothing the graphs read has moved, and return 0."""
         return capture_layer_graphs(self, micro_batch_size, self.config.model.seq_length)
 
     def set_input_tensor(self, input_tensor: torch.Tensor) -> None:

@@ -31,6 +31,10 @@ class TransformerBlock(nn.ModuleDict):
         """Replay these captured layers in training forwards (``cuda_graphs.capture_layer_graphs``)."""
         self.__dict__["_graphed"] = graphed
 
+    @property
+    def graphed_layers(self) -> dict:
+        return self._graphed
+
     def forward(
         self,
         hidden: torch.Tensor,
