@@ -132,6 +132,15 @@ def test_data_parallelism_is_refused_until_verified():
         load_config(None, [*TINY, "train.cuda_graphs=true"]).resolve(world_size=2, tokenizer_vocab_size=257)
 
 
+@needs_cuda
+def test_a_checkpoint_trained_with_graphs_loads_for_inference_on_a_cpu(corpus, tmp_path):
+    from mtl.train.inference import load_for_inference  # noqa: PLC0415
+
+    _train([*GPU_TINY, *corpus, "train.cuda_graphs=true", "train.iters=1", f"ckpt.save='{tmp_path}'"])
+    model, _, config = load_for_inference(tmp_path, "cpu")
+    assert config.train.cuda_graphs is False and next(model.parameters()).device.type == "cpu"
+
+
 def test_a_graphs_run_config_resolves_for_cpu_inference_and_export():
     from mtl.core.config import RunConfig  # noqa: PLC0415
     from mtl.train.inference import single_process_config  # noqa: PLC0415

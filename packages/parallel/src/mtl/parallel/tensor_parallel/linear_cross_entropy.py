@@ -130,13 +130,20 @@ def _chunk_dlogits(logits, lse, target_local, owned, scale, num_real: int, out_d
     return ((p - onehot.float()) * scale.unsqueeze(-1)).to(out_dtype)
 
 
-def _chunk_dlogits_eager(logits, lse, target_local, owned, scale, num_real, out_dtype):
-    # As _chunk_dlogits in three passes: ``logits - lse`` promotes to fp32 as it reads, exp in
-    # place, and the scaling writes straight into the compute dtype (rounded once, from fp32).
+def _softmax_minus_onehot_eager(logits, lse, target_local, owned, num_real):
+    # ``logits - lse`` promotes to fp32 as it reads, exp in place, the target's one subtracted:
+    # the fp32 rows of softmax - onehot, padding columns zero, in a new tensor (so the caller
+    # may write the result over ``logits``)
     p = torch.sub(logits, lse.unsqueeze(-1)).exp_()
     if num_real < p.shape[-1]:
         p[:, num_real:] = 0.0
-    p.scatter_add_(-1, target_local.unsqueeze(-1), -owned.to(p.dtype).unsqueeze(-1))
+    return p.scatter_add_(-1, target_local.unsqueeze(-1), -owned.to(p.dtype).unsqueeze(-1))
+
+
+def _chunk_dlogits_eager(logits, lse, target_local, owned, scale, num_real, out_dtype):
+    # As _chunk_dlogits in three passes, the scaling writing straight into the compute dtype
+    # (rounded once, from fp32).
+    p = _softmax_minus_onehot_eager(logits, lse, target_local, owned, num_real)
     if out_dtype == p.dtype:
         return p.mul_(scale.unsqueeze(-1))
     return torch.mul(p, scale.unsqueeze(-1), out=torch.empty(p.shape, dtype=out_dtype, device=p.device))
@@ -150,12 +157,8 @@ def _chunk_dlogits_into(out, logits, lse, target_local, owned, scale, num_real: 
 
 
 def _chunk_dlogits_into_eager(out, logits, lse, target_local, owned, scale, num_real):
-    # As _chunk_dlogits_eager, its last pass writing into ``out``: the fp32 ``p`` is a new
-    # tensor, so ``out`` may be the logits it was computed from.
-    p = torch.sub(logits, lse.unsqueeze(-1)).exp_()
-    if num_real < p.shape[-1]:
-        p[:, num_real:] = 0.0
-    p.scatter_add_(-1, target_local.unsqueeze(-1), -owned.to(p.dtype).unsqueeze(-1))
+    # As _chunk_dlogits_eager, its last pass writing into ``out`` (which may be the logits).
+    p = _softmax_minus_onehot_eager(logits, lse, target_local, owned, num_real)
     return torch.mul(p, scale.unsqueeze(-1), out=out)
 
 

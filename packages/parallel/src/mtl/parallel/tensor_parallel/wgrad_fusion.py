@@ -121,12 +121,14 @@ def enable_wgrad_fusion(module: nn.Module) -> int:
     calls this only with fp32 gradient buffers, which give every weight one)."""
     from mtl.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+    # backend modules that accumulate themselves -> the ids of the weights they claim
+    claims = {sub: {id(p) for p in sub.main_grad_accumulation_params()} for sub in module.modules()
+              if callable(getattr(sub, "main_grad_accumulation_params", None))}
     claimed: dict[int, set[int]] = {}  # param id -> ids of the modules that accumulate it themselves
-    for sub in module.modules():
-        if callable(getattr(sub, "main_grad_accumulation_params", None)):
-            inside = {id(m) for m in sub.modules()}  # the module and its submodules hold them
-            for param in sub.main_grad_accumulation_params():
-                claimed.setdefault(id(param), set()).update(inside)
+    for sub, ids in claims.items():
+        inside = {id(m) for m in sub.modules()}  # the module and its submodules hold them
+        for key in ids:
+            claimed.setdefault(key, set()).update(inside)
 
     def fusable(holder: nn.Module, name: str, param: nn.Parameter) -> bool:
         if id(holder) in claimed.get(id(param), ()):
@@ -152,17 +154,14 @@ def enable_wgrad_fusion(module: nn.Module) -> int:
     # A module switches all its weights or none, so a weight it cannot take takes its others
     # out too, which may leave another module sharing one of them short: repeat until stable,
     # then switch on only the modules whose every weight is still in.
-    claimers = [sub for sub in module.modules() if callable(getattr(sub, "main_grad_accumulation_params", None))]
     changed = True
     while changed:
         changed = False
-        for sub in claimers:
-            ids = {id(p) for p in sub.main_grad_accumulation_params()}
+        for ids in claims.values():
             if ids and not ids <= fused and ids & fused:
                 fused -= ids
                 changed = True
-    for sub in claimers:
-        ids = {id(p) for p in sub.main_grad_accumulation_params()}
+    for sub, ids in claims.items():
         if ids and ids <= fused:
             sub.enable_main_grad_accumulation()
     for key in fused:
