@@ -145,6 +145,9 @@ class TrainConfig:
     fp8_amax_history_len: int = 16  # delayed scaling: how many earlier amaxes set the scale
     fp8_amax_compute_algo: str = "max"  # delayed scaling: max over the history, or most_recent
     fp8_margin: int = 0  # delayed scaling: scale = fp8_max / amax / 2**margin
+    # the forward GEMM in Hopper's fast FP8 accumulation, as TE's and torchao's recipes do (the
+    # backward GEMMs always accumulate exactly). The fp8 backend's; te keeps TE's recipe (refuses false)
+    fp8_fast_accumulation: bool = True
     seed: int = 1234
     eval_interval: int = 1000
     eval_iters: int = 10

@@ -98,6 +98,8 @@ class Fp8Settings:
     - ``format``: "e4m3" (e4m3 everywhere) or "hybrid" (e4m3 forward, e5m2 gradients).
     - ``amax_history_len``, ``amax_compute_algo`` ("max" over the history or "most_recent"),
       ``margin`` (scale = fp8_max / amax / 2**margin): delayed scaling only.
+    - ``fast_accumulation``: the forward GEMM accumulates in Hopper's fast FP8 mode (no
+      periodic promotion to fp32); the backward GEMMs always accumulate exactly.
     """
 
     recipe: str
@@ -105,6 +107,7 @@ class Fp8Settings:
     amax_history_len: int = 16
     amax_compute_algo: str = "max"
     margin: int = 0
+    fast_accumulation: bool = True
 
     @classmethod
     def from_train_config(cls, train: Any) -> "Fp8Settings | None":
@@ -112,7 +115,7 @@ class Fp8Settings:
         if train.fp8 == "none":
             return None
         return cls(train.fp8, train.fp8_format, train.fp8_amax_history_len, train.fp8_amax_compute_algo,
-                   train.fp8_margin)
+                   train.fp8_margin, train.fp8_fast_accumulation)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from torch import nn
 from mtl.core.errors import ConfigError
 from mtl.core.registrations import Fp8Settings
 from mtl.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from mtl.parallel.tensor_parallel.wgrad_fusion import fused_main_grad
 from mtl.quant import delayed
 from mtl.quant.delayed import GRAD_OUTPUT, INPUT, WEIGHT
 from mtl.quant.linear_function import Fp8Linear, GemmPlan, quantize_weight
@@ -68,6 +69,7 @@ class Fp8Gemm:
         if fp8.recipe == "delayed":
             self.fp8_amax_history = nn.Parameter(torch.zeros(3, fp8.amax_history_len), requires_grad=False)
             self.fp8_key = delayed.new_layer_key(self)  # names this layer's pending scales (delayed.py)
+        self.accumulates_main_grad = False  # enable_main_grad_accumulation switches it on
         cacheable = fp8.recipe in ("current", "rowwise") and caching_enabled()
         self.weight_cache = WeightCache() if cacheable else None
         if self.weight_cache is not None:  # a loaded weight is a new weight
@@ -89,10 +91,19 @@ class Fp8Gemm:
     def _current_scale(self, role: int, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return scale_from_amax(reduce_max(amax(tensor), *self._groups(role)), dtype)
 
+    # mtl.parallel's gradient-accumulation fusion (wgrad_fusion.enable_wgrad_fusion): the
+    # weight-gradient GEMM adds into the weight's fp32 main_grad (linear_function.py), so no
+    # bf16 gradient is written and no separate add runs per micro-batch
+    def main_grad_accumulation_params(self) -> list[nn.Parameter]:
+        return [self.weight]
+
+    def enable_main_grad_accumulation(self) -> None:
+        self.accumulates_main_grad = True
+
     def _plan(self, x: torch.Tensor, weight: torch.Tensor) -> GemmPlan:
         recipe = self.fp8.recipe
         plan = GemmPlan(rowwise=recipe == "rowwise", grad_dtype=self.grad_dtype, tp_group=self.tp_group,
-                        k_split=self.k_split)
+                        k_split=self.k_split, fast_accum=self.fp8.fast_accumulation)
         if recipe == "current":
             plan.scale_x = self._current_scale(INPUT, x, E4M3)
             plan.weight = self._cached_weight(plan, weight)
@@ -157,13 +168,15 @@ class Fp8Gemm:
         """x [..., K] -> [..., N] through FP8 GEMMs (forward and backward)."""
         out_dtype = compute_dtype(x)
         x2d = x.reshape(-1, x.shape[-1]).contiguous()  # [s * b, K]
-        y = Fp8Linear.apply(x2d, weight, self._plan(x2d, weight), out_dtype)
+        main_grad = fused_main_grad(weight) if self.accumulates_main_grad else None
+        y = Fp8Linear.apply(x2d, weight, self._plan(x2d, weight), out_dtype, main_grad)
         y = y.view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias.to(y.dtype)
 
     def fp8_repr(self) -> str:
         cache = ", weight_cache" if self.weight_cache is not None else ""
-        return f"fp8={self.fp8.recipe}/{self.fp8.format}{cache}"
+        fast = ", fast_accumulation" if self.fp8.fast_accumulation else ""
+        return f"fp8={self.fp8.recipe}/{self.fp8.format}{cache}{fast}"
 
 
 class Fp8ColumnParallelLinear(Fp8Gemm, ColumnParallelLinear):

@@ -13,6 +13,14 @@ contraction dimension (forward K of a row-parallel layer, backward N of a column
 one) the per-row amaxes are reduced over the TP group, so every rank's scales are one
 process's.
 
+The forward GEMM may use Hopper's fast FP8 accumulation (``plan.fast_accum``, as Transformer
+Engine's and torchao's recipes do); the backward GEMMs always accumulate exactly.
+
+Where the layer takes part in mtl.parallel's gradient-accumulation fusion, ``main_grad`` is
+the weight's fp32 buffer and the weight-gradient GEMM adds into it (``scaled_mm_accumulate``:
+cuBLASLt's epilogue on a GPU); the gradient returned to autograd is then an empty tensor that
+the DataParallel hook drops, as for the local backend's fused linears.
+
 A layer with a weight cache (``weight_cache.py``) hands in ``plan.weight``, the weight's FP8
 operands for both GEMMs already built (once per optimizer step); the forward then quantizes
 only x, and the backward reads the cached transpose instead of transposing W's FP8 copy.
@@ -25,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from mtl.quant.scaled_matmul import scaled_mm
+from mtl.quant.scaled_matmul import scaled_mm, scaled_mm_accumulate
 from mtl.quant.scaling import E4M3, amax, quantize, reduce_max, scale_from_amax
 from mtl.quant.weight_cache import QuantizedWeight
 
@@ -42,6 +50,7 @@ class GemmPlan:
     scale_x: torch.Tensor | None = None  # per-tensor: the forward scales
     scale_w: torch.Tensor | None = None
     weight: QuantizedWeight | None = None  # the cached FP8 weight (None: quantized here, per call)
+    fast_accum: bool = False  # the forward GEMM in Hopper's fast accumulation (train.fp8_fast_accumulation)
 
 
 def _rowwise(t: torch.Tensor, dtype: torch.dtype, group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,9 +80,14 @@ def quantize_weight(weight: torch.Tensor, plan: GemmPlan, scale_w: torch.Tensor 
 
 class Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, plan: GemmPlan, out_dtype: torch.dtype):
-        """x [M, K], weight [N, K] -> [M, N] in out_dtype."""
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, plan: GemmPlan, out_dtype: torch.dtype,
+                main_grad: torch.Tensor | None = None):
+        """x [M, K], weight [N, K] -> [M, N] in out_dtype; dW into ``main_grad`` where given."""
         ctx.plan, ctx.x_dtype, ctx.weight_dtype = plan, x.dtype, weight.dtype
+        # an argument, so torch.compile sees the buffer the backward mutates as an input; not
+        # saved_tensors: other weights' gradients write to the same flat buffer before this
+        # backward, which autograd's version check would refuse (as wgrad_fusion's linear)
+        ctx.main_grad = main_grad
         cached = plan.weight
         if plan.rowwise:
             xq, sx = _rowwise(x, E4M3, _k_group(plan))
@@ -83,7 +97,7 @@ class Fp8Linear(torch.autograd.Function):
             xq, sx = quantize(x, plan.scale_x, E4M3), plan.scale_x
             wq, sw = cached.forward if cached is not None else (quantize(weight, plan.scale_w, E4M3), plan.scale_w)
             ctx.save_for_backward(xq, wq)  # a cached wq costs nothing more here: the cache holds it
-        return scaled_mm(xq, sx, wq, sw, out_dtype)
+        return scaled_mm(xq, sx, wq, sw, out_dtype, plan.fast_accum)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -100,12 +114,23 @@ class Fp8Linear(torch.autograd.Function):
             # dW [N, K] = dyᵀ [N, M] @ x [M, K]: contraction over the tokens, whole on every rank
             dytq, s_dyt = _rowwise(dy.t(), plan.grad_dtype, None)
             xtq, s_xt = _rowwise(x.t(), E4M3, None)
-            dw = scaled_mm(dytq, s_dyt, xtq, s_xt, weight.dtype)
-            return dx, dw, None, None
+            return dx, _weight_grad(ctx.main_grad, dytq, s_dyt, xtq, s_xt, ctx.weight_dtype), None, None, None
         xq, wq = saved
         s_dy = plan.grad_scale(dy)
         dyq = quantize(dy, s_dy, plan.grad_dtype)
         wtq, s_wt = cached.backward if cached is not None else (wq.t().contiguous(), plan.scale_w)
         dx = scaled_mm(dyq, s_dy, wtq, s_wt, ctx.x_dtype)
-        dw = scaled_mm(dyq.t().contiguous(), s_dy, xq.t().contiguous(), plan.scale_x, ctx.weight_dtype)
-        return dx, dw, None, None
+        dw = _weight_grad(ctx.main_grad, dyq.t().contiguous(), s_dy, xq.t().contiguous(), plan.scale_x,
+                          ctx.weight_dtype)
+        return dx, dw, None, None, None
+
+
+def _weight_grad(main_grad: torch.Tensor | None, dytq: torch.Tensor, s_dyt: torch.Tensor, xtq: torch.Tensor,
+                 s_xt: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
+    """``dW [N, K] = dyᵀ x`` from its FP8 operands ``dyᵀ [N, M]`` and ``xᵀ [K, M]``: added into
+    ``main_grad`` where given, and the gradient autograd gets is then only a placeholder that
+    the DataParallel hook drops (``param.wgrad_fused``); else returned in the weight's dtype."""
+    if main_grad is not None:
+        scaled_mm_accumulate(main_grad, dytq, s_dyt, xtq, s_xt)
+        return torch.empty(dytq.shape[0], xtq.shape[0], dtype=weight_dtype, device=dytq.device)
+    return scaled_mm(dytq, s_dyt, xtq, s_xt, weight_dtype)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mtl.quant import cublaslt
+
 CUDA_MULTIPLE = 16
 
 
@@ -28,13 +30,17 @@ def _round_up(n: int) -> int:
 _LIB = torch.library.Library("mtl", "FRAGMENT")
 # torch._scaled_mm takes row-wise scales on CPU from torch 2.13 on; 2.11's asserts inside oneDNN
 CPU_ROWWISE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
-_LIB.define("fp8_gemm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, ScalarType out_dtype) -> Tensor")
+_LIB.define("fp8_gemm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, ScalarType out_dtype, "
+            "bool fast_accum=False) -> Tensor")
+_LIB.define("fp8_gemm_accumulate(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale) -> ()")
 
 
 def _fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-              out_dtype: torch.dtype) -> torch.Tensor:
+              out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """a ``[M, K]`` and b ``[N, K]`` FP8 (contiguous), scales scalar or ``[M, 1]`` / ``[N, 1]``
-    -> ``(a * a_scale) @ (b * b_scale)ᵀ`` ``[M, N]`` in ``out_dtype``.
+    -> ``(a * a_scale) @ (b * b_scale)ᵀ`` ``[M, N]`` in ``out_dtype``. ``fast_accum``: Hopper's
+    faster FP8 accumulation, without its periodic promotion to fp32 (``train.fp8_fast_accumulation``;
+    CPU has one mode).
 
     The op ``mtl::fp8_gemm`` (``scaled_mm`` below): ``torch.compile`` keeps it whole, operand
     layout and padding included, instead of lowering ``torch._scaled_mm`` itself. With
@@ -54,7 +60,8 @@ def _fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
             and not (m % CUDA_MULTIPLE or n % CUDA_MULTIPLE or k % CUDA_MULTIPLE)):
         # training's shapes: the one cuBLAS call and nothing around it (this op runs three times
         # per linear per micro-batch, and every extra tensor op costs the host a dispatch)
-        return torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)
+        return torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype,
+                                use_fast_accum=fast_accum)
     a, b = a.contiguous(), b.contiguous()  # row-major both: bᵀ is then the column-major operand cuBLAS wants
     m_pad, n_pad, k_pad = _round_up(m), _round_up(n), _round_up(k)
     a, b = _pad(a, m_pad, k_pad), _pad(b, n_pad, k_pad)  # zeros along K add nothing
@@ -63,7 +70,7 @@ def _fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
         b_scale = F.pad(b_scale, (0, 0, 0, n_pad - n), value=1.0)
     mm_dtype = torch.bfloat16 if rowwise else out_dtype
     out = torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale.t() if rowwise else b_scale,
-                           out_dtype=mm_dtype)
+                           out_dtype=mm_dtype, use_fast_accum=fast_accum)
     return out[:m, :n].to(out_dtype).contiguous()  # as the fake kernel says: a cut-back result is a view
 
 
@@ -71,11 +78,34 @@ _LIB.impl("fp8_gemm", _fp8_gemm, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("mtl::fp8_gemm")
-def _(a, a_scale, b, b_scale, out_dtype):
+def _(a, a_scale, b, b_scale, out_dtype, fast_accum=False):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
 scaled_mm = torch.ops.mtl.fp8_gemm.default
+
+
+def _fp8_gemm_accumulate(out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
+                         b_scale: torch.Tensor) -> None:
+    """``out += (a * a_scale) @ (b * b_scale)ᵀ``, ``out`` an fp32 ``[M, N]`` (an FP8 linear's
+    ``main_grad``): on CUDA with per-tensor scales one cuBLASLt GEMM whose epilogue adds
+    (``cublaslt.py``); otherwise the product in fp32, then added."""
+    if (out.is_cuda and a_scale.dim() == 0 and out.is_contiguous() and a.is_contiguous() and b.is_contiguous()
+            and not (a.shape[0] % CUDA_MULTIPLE or b.shape[0] % CUDA_MULTIPLE or a.shape[1] % CUDA_MULTIPLE)):
+        cublaslt.fp8_gemm_accumulate(out, a, a_scale, b, b_scale)
+    else:  # CPU; row-wise scales (Hopper's cuBLASLt has none); shapes cuBLASLt's FP8 GEMMs refuse
+        out.add_(_fp8_gemm(a, a_scale, b, b_scale, out.dtype))
+
+
+_LIB.impl("fp8_gemm_accumulate", _fp8_gemm_accumulate, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("mtl::fp8_gemm_accumulate")
+def _(out, a, a_scale, b, b_scale) -> None:
+    return None
+
+
+scaled_mm_accumulate = torch.ops.mtl.fp8_gemm_accumulate.default
 
 
 def _pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

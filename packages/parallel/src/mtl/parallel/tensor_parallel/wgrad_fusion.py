@@ -17,7 +17,8 @@ fused loss, ``linear_cross_entropy``, accumulates the same way), never a weight 
 word embedding.
 
 Another backend's module may take part by accumulating into ``main_grad`` in its own backward
-(mtl-te over Transformer Engine's ``fuse_wgrad_accumulation``); ``enable_wgrad_fusion`` says how.
+(mtl-te over Transformer Engine's ``fuse_wgrad_accumulation``, mtl-quant's FP8 GEMM over
+cuBLASLt); ``enable_wgrad_fusion`` says how.
 
 The accumulation is a ``torch.library`` op (``mtl::accumulate_weight_grad``) that mutates
 ``main_grad``, so ``torch.compile`` traces the linear (no graph break) and keeps the GEMM as it is.
@@ -101,8 +102,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 def enable_wgrad_fusion(module: nn.Module) -> int:
     """Fuse the weight-gradient accumulation of every weight in ``module`` whose only holders
     are local tensor-parallel linears with ``F.linear`` as their GEMM (a backend overriding
-    ``local_linear``, e.g. FP8, keeps its own backward), or backend modules that accumulate
-    into ``main_grad`` themselves (the contract below). A weight tied to anything else (the
+    ``local_linear`` keeps its own backward), or backend modules that accumulate into
+    ``main_grad`` themselves (the contract below; mtl-quant's FP8 linears and mtl-te's modules). A weight tied to anything else (the
     output layer sharing the word embedding) or to another pipeline stage's copy
     (``shared_embedding``) keeps the hook's path. Returns how many weights were switched on;
     it takes effect only where the weight also has a ``main_grad``.

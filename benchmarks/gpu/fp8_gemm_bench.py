@@ -1,0 +1,73 @@
+"""The FP8 GEMMs of one reference-model layer (issue 7), one way against another.
+
+    python3 benchmarks/gpu/fp8_gemm_bench.py [--tokens 8192] [--out FILE]
+
+For each linear of the reference model (QKV, attention projection, SwiGLU's fc1, fc2) at
+``--tokens`` tokens (micro-batch 4 x seq 2048), per call, in ms:
+- forward ``y = x Wᵀ``: exact accumulation against Hopper's fast accumulation
+  (``train.fp8_fast_accumulation``);
+- weight gradient into the fp32 ``main_grad``: ``torch._scaled_mm`` writing bf16 then a
+  separate add (the path before ``mtl.quant.cublaslt``) against cuBLASLt adding in its epilogue.
+The last column scales the saving to a step (24 layers x 8 micro-batches)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from mtl.quant.cublaslt import fp8_gemm_accumulate
+from mtl.quant.scaled_matmul import scaled_mm
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+HIDDEN, FFN = 2048, 5632
+LINEARS = {"qkv": (3 * HIDDEN, HIDDEN), "proj": (HIDDEN, HIDDEN), "fc1": (2 * FFN, HIDDEN), "fc2": (HIDDEN, FFN)}
+CALLS_PER_STEP = 24 * 8
+
+
+def timed(fn, iters: int = 50, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    m = args.tokens
+    one = torch.tensor(1.0, device="cuda")
+    rows = ["| linear [N, K] | forward exact | forward fast | wgrad bf16 + add | wgrad cuBLASLt accumulate | "
+            "saved per step |", "|---|---|---|---|---|---|"]
+    total = 0.0
+    for name, (n, k) in LINEARS.items():
+        x = torch.randn(m, k, device="cuda").to(E4M3)
+        w = torch.randn(n, k, device="cuda").to(E4M3)
+        dyt = torch.randn(n, m, device="cuda").to(E5M2)  # dyᵀ [N, M]
+        xt = torch.randn(k, m, device="cuda").to(E4M3)  # xᵀ [K, M]
+        main_grad = torch.zeros(n, k, device="cuda")
+        exact = timed(lambda: scaled_mm(x, one, w, one, torch.bfloat16, False))
+        fast = timed(lambda: scaled_mm(x, one, w, one, torch.bfloat16, True))
+        added = timed(lambda: main_grad.add_(scaled_mm(dyt, one, xt, one, torch.bfloat16)))
+        fused = timed(lambda: fp8_gemm_accumulate(main_grad, dyt, one, xt, one))
+        saved = (exact - fast + added - fused) * CALLS_PER_STEP
+        total += saved
+        rows.append(f"| {name} [{n}, {k}] | {exact:.3f} | {fast:.3f} | {added:.3f} | {fused:.3f} | {saved:.1f} ms |")
+    rows.append(f"| all four | | | | | **{total:.1f} ms** |")
+    text = (f"FP8 GEMMs per call (ms), {m} tokens, {torch.cuda.get_device_name()}, torch {torch.__version__}\n\n"
+            + "\n".join(rows) + "\n")
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
