@@ -1,44 +1,61 @@
 #!/usr/bin/env bash
 # Several GPUs of one host, bf16, the Llama-style reference model (llama_reference.toml):
 # one GPU, then every two-way layout (dp, tp+sp, pp, cp) or, on 4 GPUs, dp=4 and tp=2 x dp=2;
-# then the MoE reference (moe_reference.toml) on one GPU and at ep=2.
+# (SHORT=0 skips these); then cp=2 at sequence 8192 against one GPU at 8192 (LONG=0 skips); then the MoE reference
+# (moe_reference.toml) on one GPU and at ep=2 (MOE=0 skips).
 # Run from the repository root on the GPU machine: bash benchmarks/gpu/bench_multi_gpu.sh
-# Writes multi_gpu.md and moe_multi_gpu.md (tables with scaling efficiency against one GPU) to $OUT.
+# Writes multi_gpu.md, long_multi_gpu.md and moe_multi_gpu.md (tables with scaling efficiency
+# against their one-GPU row) to $OUT. RUN_TIMEOUT (s, default 240) bounds each run.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash benchmarks/gpu/setup.sh
 export PYTHONUNBUFFERED=1
 ITERS=${ITERS:-10}
+SHORT=${SHORT:-1}
+MOE=${MOE:-1}
+LONG=${LONG:-1}
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$NGPU" -lt 2 ]; then echo "bench_multi_gpu.sh needs at least 2 GPUs, found $NGPU" >&2; exit 1; fi
 rm -rf runs/multi_*  # metrics.jsonl appends, and the table lists every runs/multi_* folder
 run() {  # run NAME NPROC [--set ...]; CONFIG= picks another model (default: the reference)
   local name=$1 nproc=$2; shift 2
   echo "== $name on $nproc GPU(s)"
-  torchrun --standalone --nproc-per-node "$nproc" -m mtl.cli train "${CONFIG:-benchmarks/gpu/llama_reference.toml}" \
-    --set train.iters="$ITERS" --set logging.dir="'runs/multi_$name'" "$@" 2>&1 | grep -v "^\[rank[1-9]" | tail -4
+  timeout "${RUN_TIMEOUT:-240}" torchrun --standalone --nproc-per-node "$nproc" -m mtl.cli train "${CONFIG:-benchmarks/gpu/llama_reference.toml}" \
+    --set train.iters="$ITERS" --set logging.dir="'runs/multi_$name'" "$@" 2>&1 | grep -v "^\[rank[1-9]" | tail -4 || true
 }
-run gpu1 1
-if [ "$NGPU" -ge 4 ]; then
-  run dp4 4
-  run tp2_dp2 4 --set parallel.tp=2 --set parallel.sequence_parallel=true
-else
-  run dp2 2
-  run tp2_sp 2 --set parallel.tp=2 --set parallel.sequence_parallel=true
-  run pp2 2 --set parallel.pp=2
-  run cp2 2 --set parallel.cp=2
+if [ "$SHORT" = 1 ]; then
+  run gpu1 1
+  if [ "$NGPU" -ge 4 ]; then
+    run dp4 4
+    run tp2_dp2 4 --set parallel.tp=2 --set parallel.sequence_parallel=true
+  else
+    run dp2 2
+    run tp2_sp 2 --set parallel.tp=2 --set parallel.sequence_parallel=true
+    run pp2 2 --set parallel.pp=2
+    run cp2 2 --set parallel.cp=2
+  fi
+fi
+# cp at a sequence it is meant for: 8192 tokens, one sequence per micro-batch (the same 65,536
+# tokens per step as the reference: global batch 8)
+LONG_SET=(--set model.seq_length=8192 --set train.micro_batch_size=1 --set train.global_batch_size=8)
+if [ "$LONG" = 1 ]; then
+  run long_gpu1 1 "${LONG_SET[@]}"
+  run long_cp2 2 "${LONG_SET[@]}" --set parallel.cp=2
 fi
 # The MoE reference (issue 8) on one GPU and with its experts split over 2 GPUs (ep=2 = dp=2),
 # plus dp=2 over those at 4 GPUs; its own table, against its own one-GPU row.
-CONFIG=benchmarks/gpu/moe_reference.toml run moe_gpu1 1
-CONFIG=benchmarks/gpu/moe_reference.toml run moe_ep2 2 --set parallel.ep=2
-if [ "$NGPU" -ge 4 ]; then
-  CONFIG=benchmarks/gpu/moe_reference.toml run moe_dp4_ep2 4 --set parallel.ep=2
+if [ "$MOE" = 1 ]; then
+  CONFIG=benchmarks/gpu/moe_reference.toml run moe_gpu1 1
+  CONFIG=benchmarks/gpu/moe_reference.toml run moe_ep2 2 --set parallel.ep=2
+  if [ "$NGPU" -ge 4 ]; then
+    CONFIG=benchmarks/gpu/moe_reference.toml run moe_dp4_ep2 4 --set parallel.ep=2
+  fi
 fi
 table() {  # table BASELINE OUTFILE ROW-FOLDERS...
   local baseline=$1 out=$2; shift 2
   python3 benchmarks/gpu/summarize.py --baseline "$baseline" $(for d in "$@"; do echo "${d#runs/multi_}=$d/metrics.jsonl"; done) \
-    | tee "${OUT:-.}/$out"
+    | tee "${OUT:-.}/$out" || true  # a run that failed has no metrics: its table is missing, not the others
 }
-table gpu1 multi_gpu.md $(ls -d runs/multi_* | grep -v "^runs/multi_moe_")
-table moe_gpu1 moe_multi_gpu.md runs/multi_moe_*
+if [ "$SHORT" = 1 ]; then table gpu1 multi_gpu.md $(ls -d runs/multi_* | grep -v "^runs/multi_\(moe\|long\)_"); fi
+if [ "$LONG" = 1 ]; then table long_gpu1 long_multi_gpu.md runs/multi_long_*; fi
+if [ "$MOE" = 1 ]; then table moe_gpu1 moe_multi_gpu.md runs/multi_moe_*; fi
