@@ -132,6 +132,15 @@ def test_resolve_checks_the_recipe_against_the_backend():
         resolved(backend="fp8", fp8="e5m2")
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_fast_accumulation_goes_from_the_config_to_the_forward_gemm(fast):
+    settings = Fp8Settings.from_train_config(resolved(backend="fp8", fp8="current", fp8_fast_accumulation=fast).train)
+    layer = Fp8ColumnParallelLinear(16, 16, fp8=settings, bias=False)
+    x = torch.randn(4, 16)
+    assert layer._plan(x, layer.weight).fast_accum is fast
+    assert ("fast_accumulation" in layer.extra_repr()) is fast
+
+
 def delayed_run(layer, micro_batches, checkpointed: bool, fn=None):
     """Forward every micro-batch, then their backwards in order (as a pipeline schedule does),
     optionally under activation checkpointing (the backward recomputes each forward)."""
