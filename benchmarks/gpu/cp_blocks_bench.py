@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from mtl.parallel.context_parallel import flash_blocks
 from mtl.parallel.context_parallel.ring_attention import RingAttention
-from profile_step import kernels_per_call
+from profile_step import cuda_ms_per_call, kernels_per_call
 
 
 class LoopbackRing:
@@ -33,19 +33,6 @@ class LoopbackRing:
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
         recv.copy_(send)
         return []
-
-
-def timed(fn, iters: int) -> float:
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main() -> None:
@@ -74,7 +61,7 @@ def main() -> None:
                                              is_causal=True, scale=scale)
         out.transpose(1, 2).backward(dout)
 
-    full_ms = timed(full, args.iters)
+    full_ms = cuda_ms_per_call(full, args.iters)
     print(f"seq {args.seq}, batch {b}, heads {h}, head dim {d}, bf16, {torch.cuda.get_device_name()}")
     print(f"one GPU, SDPA over the whole sequence: {full_ms:.2f} ms fwd+bwd; ideal per cp rank: "
           f"{full_ms / args.cp:.2f} ms")
@@ -88,19 +75,19 @@ def main() -> None:
         def ring_step():
             RingAttention.apply(ql, kl, vl, ring, True, scale).backward(dl)
 
-        flash_ms = timed(ring_step, args.iters)  # the ring's own choice of kernel (default_kernel)
+        flash_ms = cuda_ms_per_call(ring_step, args.iters)  # the ring's own choice of kernel (default_kernel)
         import mtl.parallel.context_parallel.ring_attention as ring_module
         chosen = ring_module.default_kernel
         ring_module.default_kernel = lambda t: "flash"  # FlashAttention-2, for comparison
         try:
-            fa2_ms = timed(ring_step, args.iters)
+            fa2_ms = cuda_ms_per_call(ring_step, args.iters)
         finally:
             ring_module.default_kernel = chosen
         supported = flash_blocks.flash_blocks_supported
         flash_blocks.flash_blocks_supported = lambda t: False  # the einsum path, for comparison
         ring_module.flash_blocks_supported = flash_blocks.flash_blocks_supported
         try:
-            einsum_ms = timed(ring_step, max(2, args.iters // 5))
+            einsum_ms = cuda_ms_per_call(ring_step, max(2, args.iters // 5))
         finally:
             flash_blocks.flash_blocks_supported = supported
             ring_module.flash_blocks_supported = supported

@@ -13,9 +13,13 @@ The last column scales the saving to a step (24 layers x 8 micro-batches)."""
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_step import cuda_ms_per_call  # noqa: E402
 from mtl.quant.cublaslt import fp8_gemm_accumulate
 from mtl.quant.scaled_matmul import scaled_mm
 
@@ -23,18 +27,6 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 HIDDEN, FFN = 2048, 5632
 LINEARS = {"qkv": (3 * HIDDEN, HIDDEN), "proj": (HIDDEN, HIDDEN), "fc1": (2 * FFN, HIDDEN), "fc2": (HIDDEN, FFN)}
 CALLS_PER_STEP = 24 * 8
-
-
-def timed(fn, iters: int = 50, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main() -> None:
@@ -53,10 +45,10 @@ def main() -> None:
         dyt = torch.randn(n, m, device="cuda").to(E5M2)  # dyᵀ [N, M]
         xt = torch.randn(k, m, device="cuda").to(E4M3)  # xᵀ [K, M]
         main_grad = torch.zeros(n, k, device="cuda")
-        exact = timed(lambda: scaled_mm(x, one, w, one, torch.bfloat16, False))
-        fast = timed(lambda: scaled_mm(x, one, w, one, torch.bfloat16, True))
-        added = timed(lambda: main_grad.add_(scaled_mm(dyt, one, xt, one, torch.bfloat16)))
-        fused = timed(lambda: fp8_gemm_accumulate(main_grad, dyt, one, xt, one))
+        exact = cuda_ms_per_call(lambda: scaled_mm(x, one, w, one, torch.bfloat16, False))
+        fast = cuda_ms_per_call(lambda: scaled_mm(x, one, w, one, torch.bfloat16, True))
+        added = cuda_ms_per_call(lambda: main_grad.add_(scaled_mm(dyt, one, xt, one, torch.bfloat16)))
+        fused = cuda_ms_per_call(lambda: fp8_gemm_accumulate(main_grad, dyt, one, xt, one))
         saved = (exact - fast + added - fused) * CALLS_PER_STEP
         total += saved
         rows.append(f"| {name} [{n}, {k}] | {exact:.3f} | {fast:.3f} | {added:.3f} | {fused:.3f} | {saved:.1f} ms |")

@@ -83,6 +83,20 @@ def _device_time(evt) -> float:
     return 0.0
 
 
+def cuda_ms_per_call(fn: Callable[[], object], iters: int = 50, warmup: int = 5) -> float:
+    """Device time per call of ``fn`` in ms, by CUDA events over ``iters`` calls after ``warmup``."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def kernels_per_call(fn: Callable[[], object], calls: int = 20, warmup: int = 3) -> list[tuple[str, float, int]]:
     """(kernel, device ms per call, launches per call) of ``fn``, largest first: ``warmup``
     calls, then ``calls`` profiled ones (the small benchmarks' kernel tables)."""
