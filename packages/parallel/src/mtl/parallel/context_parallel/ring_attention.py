@@ -13,13 +13,23 @@ of a (query rank r, key rank j) pair follows from the chunk order
     j <  r: both chunks of q against the first chunk of k/v, no mask (the second is in the future)
     j >  r: the second chunk of q against both chunks of k/v, no mask (the first q chunk is earlier)
 
+The forward keeps a running output and log-sum-exp per query row: the first piece of a row
+range (on step 0, the diagonal block, which covers every row) is copied in as it is, and only
+later pieces are merged (``merge_partial_into``): a merge is several small kernels, and the
+ring's host time (launches) is what bounds it at cp=2.
+
 The backward pass runs the ring again: k/v travel as in the forward, and each block's dK/dV
 accumulator travels with it, collecting every rank's contribution; one last hop delivers it
-home. Only q, k, v, the output and the log-sum-exp are kept for backward (memory bounded).
+home. Only q, the stacked k/v buffer the forward sent around the ring, the output and the
+log-sum-exp are kept for backward (memory bounded; backward need not stack k and v again).
 
 Every piece is a full block or a square causal one, so on CUDA in bf16/fp16 the pieces run on
 fused attention kernels (``flash_blocks.py``: cuDNN's on Hopper, else FlashAttention-2);
-elsewhere on the einsum path.
+elsewhere on the einsum path. On the fused path the travelling dK/dV accumulator is in the
+inputs' half precision, not fp32: that halves the backward's transfer bytes, which the compute
+does not hide at cp=2, for one rounding per piece added into it (about cp + 1 per block; the
+kernels' gradients are half precision already), as Transformer Engine's ring does. The einsum
+path accumulates in the compute dtype (fp32 or wider) and stays exact.
 """
 
 from __future__ import annotations
@@ -94,32 +104,41 @@ class RingAttention(torch.autograd.Function):
         b, s_local, heads, d = q.shape
         chunk = s_local // 2
         dtype = compute_dtype(q.dtype)
-        out = torch.zeros(b, s_local, heads, d, dtype=dtype, device=q.device)
-        lse = torch.full((b, heads, s_local), float("-inf"), dtype=dtype, device=q.device)
-        kv = torch.stack([k, v]).contiguous()  # [2, b, s_local, groups, d]
+        out = torch.empty(b, s_local, heads, d, dtype=dtype, device=q.device)
+        lse = torch.empty(b, heads, s_local, dtype=dtype, device=q.device)
+        filled = 0  # rows [0, filled) of out/lse hold a result; the plans list pieces in row order
+        kv = torch.stack([k, v]).contiguous()  # [2, b, s_local, groups, d]; this rank's own, for backward
+        block = kv  # the k/v block in hand
         fused = flash_blocks_supported(q)
         kernel = default_kernel(q) if fused else None
         for step in range(ring.size):
             kv_rank = (ring.rank - step) % ring.size
-            pending, next_kv = [], None
+            pending, next_block = [], None
             if step < ring.size - 1:  # start the next block's transfer before computing this one
-                next_kv = torch.empty_like(kv)
-                pending = ring.exchange(kv, next_kv, _KV_TAG)
+                next_block = torch.empty_like(block)
+                pending = ring.exchange(block, next_block, _KV_TAG)
             for rows, keys, mask_offset in _block_plan(ring.rank, kv_rank, chunk, causal):
                 if fused:
                     part_out, part_lse = flash_block_forward(
-                        q[:, rows], kv[0][:, keys], kv[1][:, keys], scale, causal=mask_offset == 0, kernel=kernel
+                        q[:, rows], block[0][:, keys], block[1][:, keys], scale,
+                        causal=mask_offset == 0, kernel=kernel,
                     )
                 else:
                     part_out, part_lse = block_forward(
-                        q[:, rows], kv[0][:, keys], kv[1][:, keys], scale, mask_offset
+                        q[:, rows], block[0][:, keys], block[1][:, keys], scale, mask_offset
                     )
-                merge_partial_into(out[:, rows], lse[:, :, rows], part_out, part_lse)
+                start, stop, _ = rows.indices(s_local)
+                if start >= filled:  # nothing to merge with yet: a copy instead of a merge's kernels
+                    out[:, rows] = part_out
+                    lse[:, :, rows] = part_lse
+                    filled = stop
+                else:
+                    merge_partial_into(out[:, rows], lse[:, :, rows], part_out, part_lse)
             _wait(pending)
-            if next_kv is not None:
-                kv = next_kv
+            if next_block is not None:
+                block = next_block
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, kv, out, lse)
         ctx.ring, ctx.causal, ctx.scale = ring, causal, scale
         ctx.kernel = kernel  # backward runs the forward's kernel, whatever the SDPA switches are then
         return out
@@ -127,7 +146,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the ring's p2p buffers carry no graph: refuse double backward loudly
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, kv, out, lse = ctx.saved_tensors
         ring, causal, scale = ctx.ring, ctx.causal, ctx.scale
         chunk = q.size(1) // 2
         dtype = compute_dtype(q.dtype)
@@ -140,32 +159,35 @@ class RingAttention(torch.autograd.Function):
             # delta = rowsum(dO * O): [b, s_local, heads] -> [b, heads, s_local]
             delta = (dout * out.to(dtype)).sum(-1).transpose(1, 2)
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
+        # The kernels' dk/dv pieces are half precision already; a half-precision accumulator
+        # halves the bytes sent around the ring (see the module docstring).
+        dkv_dtype = q.dtype if fused else dtype
+        block = kv  # the k/v block in hand
         dkv_pending: list = []
         dkv_arrived = None  # the accumulator of the block in hand, from the previous rank
         for step in range(ring.size):
             kv_rank = (ring.rank - step) % ring.size
-            kv_pending, next_kv = [], None
+            kv_pending, next_block = [], None
             if step < ring.size - 1:
-                next_kv = torch.empty_like(kv)
-                kv_pending = ring.exchange(kv, next_kv, _KV_TAG)
+                next_block = torch.empty_like(block)
+                kv_pending = ring.exchange(block, next_block, _KV_TAG)
             kv_grads = []  # (key rows, dk part, dv part), added once the accumulator arrives
             for rows, keys, mask_offset in _block_plan(ring.rank, kv_rank, chunk, causal):
                 if fused:
                     dq_part, dk_part, dv_part = flash_block_backward(
-                        dout[:, rows], out[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys],
+                        dout[:, rows], out[:, rows], q[:, rows], block[0][:, keys], block[1][:, keys],
                         lse[:, :, rows], scale, causal=mask_offset == 0, kernel=kernel,
                     )
                 else:
                     dq_part, dk_part, dv_part = block_backward(
-                        dout[:, rows], delta[:, :, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys],
+                        dout[:, rows], delta[:, :, rows], q[:, rows], block[0][:, keys], block[1][:, keys],
                         lse[:, :, rows], scale, mask_offset,
                     )
                 dq[:, rows] += dq_part
                 kv_grads.append((keys, dk_part, dv_part))
             _wait(dkv_pending)  # the previous rank's accumulator arrived during the compute
             # [2, b, s_local, groups, d]: dK and dV of block kv_rank, summed over earlier ranks
-            dkv = dkv_arrived if dkv_arrived is not None else kv.new_zeros(kv.shape, dtype=dtype)
+            dkv = dkv_arrived if dkv_arrived is not None else kv.new_zeros(kv.shape, dtype=dkv_dtype)
             for keys, dk_part, dv_part in kv_grads:
                 dkv[0][:, keys] += dk_part
                 dkv[1][:, keys] += dv_part
@@ -173,8 +195,8 @@ class RingAttention(torch.autograd.Function):
             dkv_arrived = torch.empty_like(dkv)
             dkv_pending = ring.exchange(dkv, dkv_arrived, _DKV_TAG)
             _wait(kv_pending)
-            if next_kv is not None:
-                kv = next_kv
+            if next_block is not None:
+                block = next_block
         _wait(dkv_pending)
-        dk, dv = dkv_arrived[0].to(k.dtype), dkv_arrived[1].to(v.dtype)
+        dk, dv = dkv_arrived[0].to(kv.dtype), dkv_arrived[1].to(kv.dtype)  # k and v share q's dtype
         return dq.to(q.dtype), dk, dv, None, None, None
