@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Several GPUs of one host, bf16, the Llama-style reference model (llama_reference.toml):
-# one GPU, then every two-way layout (dp, tp+sp, pp, cp) or, on 4 GPUs, dp=4 and tp=2 x dp=2;
+# one GPU, then every two-way layout (dp, tp+sp, pp, pp interleaved, cp) or, on 4 GPUs, dp=4 and tp=2 x dp=2;
 # (SHORT=0 skips these); then cp=2 at sequence 8192 against one GPU at 8192 (LONG=0 skips); then the MoE reference
 # (moe_reference.toml) on one GPU and at ep=2 (MOE=0 skips).
 # Run from the repository root on the GPU machine: bash benchmarks/gpu/bench_multi_gpu.sh
@@ -32,6 +32,8 @@ if [ "$SHORT" = 1 ]; then
     run dp2 2
     run tp2_sp 2 --set parallel.tp=2 --set parallel.sequence_parallel=true
     run pp2 2 --set parallel.pp=2
+    # interleaved: two chunks per stage halve the pipeline bubble (1/9 of the step at 8 micro-batches)
+    run pp2_vpp2 2 --set parallel.pp=2 --set parallel.vpp=2
     run cp2 2 --set parallel.cp=2
   fi
 fi
