@@ -25,6 +25,7 @@ CHECKS = {  # C expression -> mtl's value
     "CUDA_R_8F_E4M3": cublaslt._FP8_TYPES[torch.float8_e4m3fn],
     "CUDA_R_8F_E5M2": cublaslt._FP8_TYPES[torch.float8_e5m2],
     "CUBLAS_COMPUTE_32F": cublaslt._COMPUTE_32F,
+    "CUBLAS_STATUS_NOT_SUPPORTED": cublaslt._STATUS_NOT_SUPPORTED,
     "CUBLAS_OP_N": cublaslt._OP_N,
     "CUBLAS_OP_T": cublaslt._OP_T,
     "CUBLASLT_MATMUL_DESC_TRANSA": cublaslt._DESC_TRANSA,

@@ -133,11 +133,21 @@ def test_resolve_checks_the_recipe_against_the_backend():
 
 
 @pytest.mark.parametrize("fast", [True, False])
-def test_fast_accumulation_goes_from_the_config_to_the_forward_gemm(fast):
+def test_fast_accumulation_goes_from_the_config_to_the_forward_gemm(fast, monkeypatch):
+    from mtl.quant import linear_function
+    from mtl.quant.scaled_matmul import scaled_mm
+
     settings = Fp8Settings.from_train_config(resolved(backend="fp8", fp8="current", fp8_fast_accumulation=fast).train)
     layer = Fp8ColumnParallelLinear(16, 16, fp8=settings, bias=False)
-    x = torch.randn(4, 16)
-    assert layer._plan(x, layer.weight).fast_accum is fast
+    seen = []
+
+    def recording(*args):  # CPU has one accumulation mode: record what the layer asks for
+        seen.append(args[5] if len(args) > 5 else False)
+        return scaled_mm(*args)
+
+    monkeypatch.setattr(linear_function, "scaled_mm", recording)
+    layer(torch.randn(4, 2, 16, requires_grad=True)).sum().backward()
+    assert seen == [fast, False, False]  # forward as configured; input and weight gradients exact
     assert ("fast_accumulation" in layer.extra_repr()) is fast
 
 

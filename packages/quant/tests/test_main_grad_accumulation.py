@@ -114,10 +114,19 @@ def test_fused_under_compile_is_one_graph_and_the_unfused_sum():
         assert ((b - a).norm() / a.norm()).item() < 1e-2, name
 
 
-def test_inference_and_unfused_modules_return_their_gradient():
-    module = Pair("current").to(torch.bfloat16)
-    module(micro_batches()[0]).float().sum().backward()  # never enabled: autograd's gradient
-    assert module.fc1.weight.grad is not None and module.fc1.weight.grad.abs().sum() > 0
+def test_enabled_without_a_main_grad_or_without_grad_mode_keeps_autograds_gradient():
+    """Switched on but outside DataParallel (no ``main_grad``), the weight gradient is autograd's,
+    not dropped; and a no-grad forward of a fused layer gives the unfused layer's output."""
+    fused, plain = Pair("current").to(torch.bfloat16), Pair("current").to(torch.bfloat16)
+    assert enable_wgrad_fusion(fused) == 2
+    x = micro_batches()[0]
+    fused(x).float().square().sum().backward()
+    plain(x).float().square().sum().backward()
+    for name in ("fc1", "fc2"):
+        grad, expected = getattr(fused, name).weight.grad, getattr(plain, name).weight.grad
+        assert grad is not None and torch.equal(grad, expected), name
+    with torch.no_grad():
+        assert torch.equal(fused(x), plain(x))
 
 
 needs_fp8_gpu = pytest.mark.skipif(
@@ -136,9 +145,12 @@ def operands(n, m, k, b_dtype, device="cuda"):
 
 @needs_fp8_gpu
 @pytest.mark.parametrize("b_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("offset", [0, 4], ids=["aligned", "offset16B"])
-def test_cublaslt_accumulates_the_scaled_product(b_dtype, offset):
-    from mtl.quant.cublaslt import fp8_gemm_accumulate
+@pytest.mark.parametrize("offset", [0, 4, 1], ids=["aligned", "offset16B", "offset4B"])
+def test_the_accumulating_gemm_adds_the_scaled_product(b_dtype, offset):
+    """cuBLASLt where it takes the operands, the add path where the buffer is not 16-byte
+    aligned (a main_grad view after a parameter of odd size): the same sum either way."""
+    from mtl.quant.cublaslt import accepts
+    from mtl.quant.scaled_matmul import scaled_mm_accumulate as fp8_gemm_accumulate
 
     n, m, k = 96, 160, 512
     a, sa, b, sb = operands(n, m, k, b_dtype)
@@ -150,6 +162,7 @@ def test_cublaslt_accumulates_the_scaled_product(b_dtype, offset):
     torch.testing.assert_close(out, start + product, rtol=1e-6, atol=1e-5)
     fp8_gemm_accumulate(out, a, sa, b, sb)
     torch.testing.assert_close(out, start + 2 * product, rtol=1e-6, atol=1e-5)
+    assert accepts(out, a, sa, b, sb) is (offset % 4 == 0)  # 16 bytes: cuBLASLt's FP8 minimum
     assert torch.cat([buffer[:offset], buffer[offset + n * m:]]).equal(outside)  # nothing written outside the view
 
 

@@ -14,7 +14,8 @@ nothing is compiled and no CUDA toolkit is needed. The enum values are cuBLASLt'
 (``cublasLt.h``, unchanged from CUDA 11.8 to 13). A plan (descriptors and the heuristic's
 algorithm) is built once per shape, dtype pair and pointer alignment and kept; a call sets
 the two scale pointers and launches on torch's current stream with a workspace this module
-owns, so it may be captured in a CUDA graph.
+owns (one per stream), so it may be captured in a CUDA graph. ``accepts`` says which operands
+it takes; ``scaled_matmul`` adds the product itself for the others.
 
 Only per-tensor scales: Hopper's cuBLASLt has no per-row scaling (torch's row-wise FP8 is a
 CUTLASS kernel), so row-wise operands take ``scaled_matmul``'s add path.
@@ -41,6 +42,9 @@ _DESC_FAST_ACCUM = 25
 _PREF_MAX_WORKSPACE_BYTES = 1
 _PREF_MIN_ALIGNMENT_BYTES = (5, 6, 7, 8)  # of A, B, C, D
 _MAX_ALIGNMENT = 256  # what cuBLASLt assumes when told nothing
+_MIN_ALIGNMENT = 16  # bytes: every pointer of an FP8 GEMM
+_CUDA_MULTIPLE = 16  # every dimension of one
+_STATUS_NOT_SUPPORTED = 15  # cublasStatus_t
 
 WORKSPACE_BYTES = 32 * 1024 * 1024  # NVIDIA's recommendation for Hopper
 
@@ -56,6 +60,11 @@ class _HeuristicResult(ctypes.Structure):
 
 class CublasLtError(RuntimeError):
     pass
+
+
+class _NoAlgorithm(CublasLtError):
+    """The heuristic found no algorithm for these shapes and alignments (not a failure: the
+    caller takes another path)."""
 
 
 def _library_path() -> str | None:
@@ -93,6 +102,7 @@ def _library() -> ctypes.CDLL:
                 "cublasLtMatrixLayoutCreate": [p, i, u64, u64, i64],
                 "cublasLtMatmulPreferenceCreate": [p],
                 "cublasLtMatmulPreferenceSetAttribute": [p, i, p, sz],
+                "cublasLtMatmulPreferenceDestroy": [p],
                 "cublasLtMatmulAlgoGetHeuristic": [p, p, p, p, p, p, p, i, p, p],
                 "cublasLtMatmul": [p, p, p, p, p, p, p, p, p, p, p, p, p, p, sz, p],
             }
@@ -142,10 +152,12 @@ class _Plan:
             _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, attribute, ctypes.byref(value), ctypes.sizeof(value)),
                    "MatmulPreferenceSetAttribute")
         result, found = _HeuristicResult(), ctypes.c_int(0)
-        _check(lib.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, *self.layouts, pref, 1, ctypes.byref(result),
-                                                  ctypes.byref(found)), "MatmulAlgoGetHeuristic")
-        if found.value < 1:
-            raise CublasLtError(f"cuBLASLt has no FP8 algorithm for out [{n}, {m}] += a [{n}, {k}] @ b [{m}, {k}]ᵀ")
+        status = lib.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, *self.layouts, pref, 1, ctypes.byref(result),
+                                                    ctypes.byref(found))
+        lib.cublasLtMatmulPreferenceDestroy(pref)  # only the heuristic reads it
+        if status == _STATUS_NOT_SUPPORTED or (status == 0 and found.value < 1):
+            raise _NoAlgorithm(f"cuBLASLt has no FP8 algorithm for out [{n}, {m}] += a [{n}, {k}] @ b [{m}, {k}]ᵀ")
+        _check(status, "MatmulAlgoGetHeuristic")
         self.algo = result.algo
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(1.0)
 
@@ -164,34 +176,64 @@ class _Plan:
                                        stream), "Matmul")
 
 
-_devices: dict[int, tuple] = {}  # device index -> (handle, workspace)
-_plans: dict[tuple, _Plan] = {}
+# One launch at a time: a plan's descriptor carries the call's scale pointers from
+# ``_Plan.run``'s first line to its launch. (mtl calls this from one autograd thread per device.)
+_lock = threading.Lock()
+_handles: dict[int, ctypes.c_void_p] = {}  # device index -> cuBLASLt handle
+_workspaces: dict[tuple[int, int], torch.Tensor] = {}  # (device, stream): concurrent streams must not share one
+_plans: dict[tuple, _Plan | None] = {}  # None: cuBLASLt has no algorithm for that key
 
 
-def _device_state(index: int) -> tuple:
-    state = _devices.get(index)
-    if state is None:
-        lib = _library()
+def accepts(out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> bool:
+    """Whether ``fp8_gemm_accumulate`` takes these operands: CUDA, ``out`` fp32, ``a`` and ``b``
+    FP8, all three contiguous, 16-byte aligned, every dimension a multiple of 16, and both
+    scales fp32 scalars on the device (cuBLASLt reads them through device pointers)."""
+    tensors = (out, a, b)
+    return (out.is_cuda and out.dtype == torch.float32 and a.dtype in _FP8_TYPES and b.dtype in _FP8_TYPES
+            and all(s.dim() == 0 and s.dtype == torch.float32 and s.device == out.device for s in (a_scale, b_scale))
+            and all(t.is_contiguous() and _alignment(t) >= _MIN_ALIGNMENT for t in tensors)
+            and not any(d % _CUDA_MULTIPLE for d in (*a.shape, b.shape[0])))
+
+
+def _workspace(index: int, stream: int) -> torch.Tensor:
+    workspace = _workspaces.get((index, stream))
+    if workspace is None:
+        workspace = _workspaces[(index, stream)] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8,
+                                                               device=f"cuda:{index}")
+    return workspace
+
+
+def _handle(index: int) -> ctypes.c_void_p:
+    handle = _handles.get(index)
+    if handle is None:
         handle = ctypes.c_void_p()
         with torch.cuda.device(index):
-            _check(lib.cublasLtCreate(ctypes.byref(handle)), "Create")
-            workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=f"cuda:{index}")
-        state = _devices[index] = (handle, workspace)
-    return state
+            _check(_library().cublasLtCreate(ctypes.byref(handle)), "Create")
+        _handles[index] = handle
+    return handle
 
 
 def fp8_gemm_accumulate(out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
-                        b_scale: torch.Tensor, fast_accum: bool = False) -> None:
-    """``out [n, m] += (a [n, k] * a_scale) @ (b [m, k] * b_scale)ᵀ`` on a CUDA device: ``a`` and
-    ``b`` FP8, contiguous, every dimension a multiple of 16; scales fp32 scalars; ``out`` fp32
-    and contiguous. The product is accumulated in fp32 (``fast_accum`` False: Hopper's exact
-    mode, as Transformer Engine's weight-gradient GEMMs) and added to ``out`` by cuBLASLt."""
+                        b_scale: torch.Tensor, fast_accum: bool = False) -> bool:
+    """``out [n, m] += (a [n, k] * a_scale) @ (b [m, k] * b_scale)ᵀ`` for operands ``accepts``
+    takes. The product is accumulated in fp32 (``fast_accum`` False: Hopper's exact mode, as
+    Transformer Engine's weight-gradient GEMMs) and added to ``out`` by cuBLASLt. Returns
+    False, having done nothing, where cuBLASLt has no algorithm for these shapes and alignments
+    (the caller then adds the product itself)."""
     (n, k), m = a.shape, b.shape[0]
     index = out.device.index
     key = (index, n, m, k, a.dtype, b.dtype, fast_accum, _alignment(b), _alignment(a), _alignment(out))
-    plan = _plans.get(key)
-    handle, workspace = _device_state(index)
-    if plan is None:
-        plan = _plans[key] = _Plan(_library(), handle, n, m, k, _FP8_TYPES[a.dtype], _FP8_TYPES[b.dtype],
-                                   fast_accum, key[-3:-1] + (key[-1], key[-1]))
-    plan.run(out, a, a_scale, b, b_scale, workspace, torch._C._cuda_getCurrentRawStream(index))
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    with _lock:
+        handle = _handle(index)
+        if key not in _plans:
+            try:
+                _plans[key] = _Plan(_library(), handle, n, m, k, _FP8_TYPES[a.dtype], _FP8_TYPES[b.dtype],
+                                    fast_accum, key[-3:-1] + (key[-1], key[-1]))
+            except _NoAlgorithm:
+                _plans[key] = None
+        plan = _plans[key]
+        if plan is None:
+            return False
+        plan.run(out, a, a_scale, b, b_scale, _workspace(index, stream), stream)
+    return True

@@ -88,13 +88,15 @@ scaled_mm = torch.ops.mtl.fp8_gemm.default
 def _fp8_gemm_accumulate(out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
                          b_scale: torch.Tensor) -> None:
     """``out += (a * a_scale) @ (b * b_scale)ᵀ``, ``out`` an fp32 ``[M, N]`` (an FP8 linear's
-    ``main_grad``): on CUDA with per-tensor scales one cuBLASLt GEMM whose epilogue adds
-    (``cublaslt.py``); otherwise the product in fp32, then added."""
-    if (out.is_cuda and a_scale.dim() == 0 and out.is_contiguous() and a.is_contiguous() and b.is_contiguous()
-            and not (a.shape[0] % CUDA_MULTIPLE or b.shape[0] % CUDA_MULTIPLE or a.shape[1] % CUDA_MULTIPLE)):
-        cublaslt.fp8_gemm_accumulate(out, a, a_scale, b, b_scale)
-    else:  # CPU; row-wise scales (Hopper's cuBLASLt has none); shapes cuBLASLt's FP8 GEMMs refuse
-        out.add_(_fp8_gemm(a, a_scale, b, b_scale, out.dtype))
+    ``main_grad``). On CUDA with per-tensor scales: one cuBLASLt GEMM whose epilogue adds, in
+    fp32 (``cublaslt.py``). Otherwise the product, then an add: in fp32 on CPU; on CUDA in
+    bf16 for row-wise scales (torch's row-wise FP8 kernel writes bf16 only, and Hopper's cuBLASLt
+    has no per-row scaling), so a row-wise weight gradient is rounded to bf16 per micro-batch
+    as without the fusion."""
+    if cublaslt.accepts(out, a, a_scale, b, b_scale) and cublaslt.fp8_gemm_accumulate(out, a, a_scale, b, b_scale):
+        return
+    product_dtype = torch.bfloat16 if out.is_cuda and a_scale.dim() > 0 else out.dtype
+    out.add_(_fp8_gemm(a, a_scale, b, b_scale, product_dtype))  # the add promotes a bf16 product
 
 
 _LIB.impl("fp8_gemm_accumulate", _fp8_gemm_accumulate, "CompositeExplicitAutograd")

@@ -87,7 +87,8 @@ def flash_block_backward(
     kernel: str = "flash",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of this block pair's share, in q's dtype (GQA's dk, dv: summed over the heads
-    of a group in fp32), as views the ring adds into its fp32 accumulators; ``out`` and ``lse``
+    of a group in fp32), as views the ring adds into its accumulators (dq fp32; the travelling
+    dK/dV in q's dtype, ring_attention.py); ``out`` and ``lse``
     are the final output and log-sum-exp over all keys (the kernel derives rowsum(dO * O) from
     them)."""
     b, sq, heads, d = q.shape
