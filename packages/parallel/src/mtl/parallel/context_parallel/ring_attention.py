@@ -18,16 +18,21 @@ range (on step 0, the diagonal block, which covers every row) is copied in as it
 later pieces are merged (``merge_partial_into``): a merge is several small kernels, and the
 ring's host time (launches) is what bounds it at cp=2.
 
-The backward pass runs the ring again: k/v travel as in the forward, and each block's dK/dV
-accumulator travels with it, collecting every rank's contribution; one last hop delivers it
-home. Only q, the stacked k/v buffer the forward sent around the ring, the output and the
-log-sum-exp are kept for backward (memory bounded; backward need not stack k and v again).
+The backward pass runs the ring the other way (k/v and dK/dV go to the previous rank), in
+the reverse order of blocks: ``r+1, r+2, ..., r-1``, then the rank's own. The forward keeps the
+last block it received, rank r+1's, so the backward starts computing at once, with no
+transfer to wait for. Each block's dK/dV accumulator travels with it, collecting every
+rank's contribution. The own block comes last, so its accumulator arrives from the next rank
+while the diagonal block is computed, and no hop is left after the loop. That is cp-2 k/v
+transfers and cp-1 dK/dV transfers, against cp-1 and cp for a ring that restarts from the
+own block. At cp = 2 the only transfer left is one dK/dV accumulator, hidden behind the
+diagonal block. Kept for backward: q, the stacked k/v of this rank and of rank r+1 (one k/v
+block more than the inputs), the output and the log-sum-exp.
 
 Every piece is a full block or a square causal one, so on CUDA in bf16/fp16 the pieces run on
 fused attention kernels (``flash_blocks.py``: cuDNN's on Hopper, else FlashAttention-2);
 elsewhere on the einsum path. On the fused path the travelling dK/dV accumulator is in the
-inputs' half precision, not fp32: that halves the backward's transfer bytes, which the compute
-does not hide at cp=2, for one rounding per piece added into it (about cp + 1 per block; the
+inputs' half precision, not fp32: that halves the backward's transfer bytes, for one rounding per piece added into it (about cp + 1 per block; the
 kernels' gradients are half precision already), as Transformer Engine's ring does. The einsum
 path accumulates in the compute dtype (fp32 or wider) and stays exact.
 """
@@ -68,11 +73,13 @@ class CpRing:
         self.next_global = ranks[(self.rank + 1) % self.size]
         self.prev_global = ranks[(self.rank - 1) % self.size]
 
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
-        """Start sending ``send`` to the next rank and receiving ``recv`` from the previous one."""
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int, backward: bool = False) -> list:
+        """Start sending ``send`` to the next rank and receiving ``recv`` from the previous one
+        (``backward``: to the previous rank, from the next one)."""
+        to, source = (self.prev_global, self.next_global) if backward else (self.next_global, self.prev_global)
         ops = [
-            dist.P2POp(dist.isend, send, self.next_global, self.group, tag),
-            dist.P2POp(dist.irecv, recv, self.prev_global, self.group, tag),
+            dist.P2POp(dist.isend, send, to, self.group, tag),
+            dist.P2POp(dist.irecv, recv, source, self.group, tag),
         ]
         return dist.batch_isend_irecv(ops)
 
@@ -138,7 +145,8 @@ class RingAttention(torch.autograd.Function):
             if next_block is not None:
                 block = next_block
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, kv, out, lse)
+        # block: the last one received, rank r+1's (this rank's own at cp = 1), where backward starts
+        ctx.save_for_backward(q, kv, block, out, lse)
         ctx.ring, ctx.causal, ctx.scale = ring, causal, scale
         ctx.kernel = kernel  # backward runs the forward's kernel, whatever the SDPA switches are then
         return out
@@ -146,7 +154,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the ring's p2p buffers carry no graph: refuse double backward loudly
     def backward(ctx, dout):
-        q, kv, out, lse = ctx.saved_tensors
+        q, kv, last_block, out, lse = ctx.saved_tensors
         ring, causal, scale = ctx.ring, ctx.causal, ctx.scale
         chunk = q.size(1) // 2
         dtype = compute_dtype(q.dtype)
@@ -162,15 +170,15 @@ class RingAttention(torch.autograd.Function):
         # The kernels' dk/dv pieces are half precision already; a half-precision accumulator
         # halves the bytes sent around the ring (see the module docstring).
         dkv_dtype = q.dtype if fused else dtype
-        block = kv  # the k/v block in hand
+        block = last_block  # rank r+1's k/v, kept by the forward: no transfer to wait for first
         dkv_pending: list = []
-        dkv_arrived = None  # the accumulator of the block in hand, from the previous rank
+        dkv_arrived = None  # the accumulator of the block in hand, from the next rank
         for step in range(ring.size):
-            kv_rank = (ring.rank - step) % ring.size
+            kv_rank = (ring.rank + 1 + step) % ring.size  # r+1, r+2, ..., r-1, then this rank's own
             kv_pending, next_block = [], None
-            if step < ring.size - 1:
+            if step < ring.size - 2:  # pass the block on to the previous rank; the last one is our own
                 next_block = torch.empty_like(block)
-                kv_pending = ring.exchange(block, next_block, _KV_TAG)
+                kv_pending = ring.exchange(block, next_block, _KV_TAG, backward=True)
             kv_grads = []  # (key rows, dk part, dv part), added once the accumulator arrives
             for rows, keys, mask_offset in _block_plan(ring.rank, kv_rank, chunk, causal):
                 if fused:
@@ -185,18 +193,17 @@ class RingAttention(torch.autograd.Function):
                     )
                 dq[:, rows] += dq_part
                 kv_grads.append((keys, dk_part, dv_part))
-            _wait(dkv_pending)  # the previous rank's accumulator arrived during the compute
-            # [2, b, s_local, groups, d]: dK and dV of block kv_rank, summed over earlier ranks
+            _wait(dkv_pending)  # the next rank's accumulator for this block arrived during the compute
+            # [2, b, s_local, groups, d]: dK and dV of block kv_rank, summed over the ranks before
             dkv = dkv_arrived if dkv_arrived is not None else kv.new_zeros(kv.shape, dtype=dkv_dtype)
             for keys, dk_part, dv_part in kv_grads:
                 dkv[0][:, keys] += dk_part
                 dkv[1][:, keys] += dv_part
-            # Pass it on; after the last step what arrives is this rank's own, complete dK/dV.
-            dkv_arrived = torch.empty_like(dkv)
-            dkv_pending = ring.exchange(dkv, dkv_arrived, _DKV_TAG)
+            if step < ring.size - 1:  # on to the previous rank, which takes this block next
+                dkv_arrived = torch.empty_like(dkv)
+                dkv_pending = ring.exchange(dkv, dkv_arrived, _DKV_TAG, backward=True)
             _wait(kv_pending)
-            if next_block is not None:
-                block = next_block
-        _wait(dkv_pending)
-        dk, dv = dkv_arrived[0].to(kv.dtype), dkv_arrived[1].to(kv.dtype)  # k and v share q's dtype
+            block = next_block if next_block is not None else kv
+        # the last step was this rank's own block: dkv holds every rank's share of it
+        dk, dv = dkv[0].to(kv.dtype), dkv[1].to(kv.dtype)  # k and v share q's dtype
         return dq.to(q.dtype), dk, dv, None, None, None
