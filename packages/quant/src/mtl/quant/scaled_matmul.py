@@ -6,6 +6,10 @@ takes any shape. On CUDA it wants every dimension a multiple of 16 and the secon
 column-major; short operands (a decode step's handful of tokens) are zero-padded, which adds
 nothing to the product, and the result is cut back. CUDA's row-wise scaling writes bf16
 only, so its result is cast to the asked dtype afterwards.
+
+Two ops: ``scaled_mm`` (``mtl::fp8_gemm``) returns the product; ``scaled_mm_accumulate``
+(``mtl::fp8_gemm_accumulate``) adds it into an fp32 tensor, the weight gradient into
+``main_grad``, through cuBLASLt's epilogue where it can (``cublaslt.py``).
 """
 
 from __future__ import annotations
