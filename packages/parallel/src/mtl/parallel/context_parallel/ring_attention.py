@@ -25,8 +25,8 @@ transfer to wait for. Each block's dK/dV accumulator travels with it, collecting
 rank's contribution. The own block comes last, so its accumulator arrives from the next rank
 while the diagonal block is computed, and no hop is left after the loop. That is cp-2 k/v
 transfers and cp-1 dK/dV transfers, against cp-1 and cp for a ring that restarts from the
-own block. At cp = 2 the only transfer left is one dK/dV accumulator, hidden behind the
-diagonal block. Kept for backward: q, the stacked k/v of this rank and of rank r+1 (one k/v
+own block. At cp = 2 the only transfer left is one dK/dV accumulator, sent while the
+diagonal block is computed. Kept for backward: q, the stacked k/v of this rank and of rank r+1 (one k/v
 block more than the inputs), the output and the log-sum-exp.
 
 Every piece is a full block or a square causal one, so on CUDA in bf16/fp16 the pieces run on
