@@ -30,8 +30,8 @@ class LoopbackRing:
     def __init__(self, size: int, rank: int):
         self.size, self.rank = size, rank
 
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
-        recv.copy_(send)
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int, backward: bool = False) -> list:
+        recv.copy_(send)  # either direction: the block comes back to this device
         return []
 
 

@@ -129,6 +129,28 @@ def test_enabled_without_a_main_grad_or_without_grad_mode_keeps_autograds_gradie
         assert torch.equal(fused(x), plain(x))
 
 
+def test_the_trainer_fuses_the_fp8_weights_and_trains_as_without(monkeypatch):
+    """The user's path: ``mtl train``'s loop with bf16 weights switches the fusion on for every
+    FP8 linear, and its losses follow those of the same run with the hook's adds instead."""
+    from mtl.core.config_io import load_config
+    from mtl.quant.layers import Fp8Gemm
+    from mtl.train import setup as train_setup
+    from mtl.train.loop import train
+    from mtl.train.testing import TINY
+
+    overrides = [*TINY, "model.backend='fp8'", "train.fp8='current'", "train.precision='bf16'", "train.iters=4"]
+    fused = train(load_config(None, overrides), progress=False)
+    layers = [m for chunk in fused.run.chunks for m in chunk.modules() if isinstance(m, Fp8Gemm)]
+    assert len(layers) == 4 * 4  # qkv, proj, fc1, fc2 in each of the 4 layers
+    assert all(layer.accumulates_main_grad and layer.weight.wgrad_fused for layer in layers)
+    monkeypatch.setattr(train_setup, "enable_wgrad_fusion", lambda module: 0)
+    unfused = train(load_config(None, overrides), progress=False)
+    assert not any(getattr(m, "accumulates_main_grad", False) for chunk in unfused.run.chunks for m in chunk.modules())
+    assert sorted(fused.losses) == sorted(unfused.losses) == [1, 2, 3, 4]
+    for step in fused.losses:  # the fused sum skips a bf16 rounding per micro-batch: close, not equal
+        assert fused.losses[step] == pytest.approx(unfused.losses[step], rel=1e-4), (fused.losses, unfused.losses)
+
+
 needs_fp8_gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
     reason="cuBLASLt FP8 GEMMs need a CUDA GPU of compute capability 8.9 or newer")
@@ -150,7 +172,7 @@ def test_the_accumulating_gemm_adds_the_scaled_product(b_dtype, offset):
     """cuBLASLt where it takes the operands, the add path where the buffer is not 16-byte
     aligned (a main_grad view after a parameter of odd size): the same sum either way."""
     from mtl.quant.cublaslt import accepts
-    from mtl.quant.scaled_matmul import scaled_mm_accumulate as fp8_gemm_accumulate
+    from mtl.quant.scaled_matmul import scaled_mm_accumulate
 
     n, m, k = 96, 160, 512
     a, sa, b, sb = operands(n, m, k, b_dtype)
@@ -158,9 +180,9 @@ def test_the_accumulating_gemm_adds_the_scaled_product(b_dtype, offset):
     out = buffer[offset:offset + n * m].view(n, m)  # a view into a flat buffer, as main_grad is
     start, outside = out.clone(), torch.cat([buffer[:offset], buffer[offset + n * m:]])
     product = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
-    fp8_gemm_accumulate(out, a, sa, b, sb)
+    scaled_mm_accumulate(out, a, sa, b, sb)
     torch.testing.assert_close(out, start + product, rtol=1e-6, atol=1e-5)
-    fp8_gemm_accumulate(out, a, sa, b, sb)
+    scaled_mm_accumulate(out, a, sa, b, sb)
     torch.testing.assert_close(out, start + 2 * product, rtol=1e-6, atol=1e-5)
     assert accepts(out, a, sa, b, sb) is (offset % 4 == 0)  # 16 bytes: cuBLASLt's FP8 minimum
     assert torch.cat([buffer[:offset], buffer[offset + n * m:]]).equal(outside)  # nothing written outside the view

@@ -55,6 +55,16 @@ CASES = [
 ]
 
 
+class RingOfOne:
+    """A ``CpRing`` of one rank, without processes: its single step is the diagonal block, and
+    its backward starts and ends on the rank's own block, so nothing is ever exchanged."""
+
+    size, rank = 1, 0
+
+    def exchange(self, send, recv, tag, backward=False):
+        raise AssertionError("a ring of one rank exchanged a block")
+
+
 def make_inputs(case: Case, seed: int = 1234) -> dict[str, torch.Tensor]:
     """Full-sequence q ``[b, s, heads, d]``, k/v ``[b, s, groups, d]`` and an output gradient."""
     gen = torch.Generator().manual_seed(seed)

@@ -5,9 +5,15 @@ Keys are split into two blocks as the ring would deliver them; the partial outpu
 merged with the log-sum-exp, and the backward of each block uses the *final* output and
 log-sum-exp. The sum over blocks must equal full attention's output and gradients."""
 
+import os
+import sys
+
 import pytest
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))
+
+import cp_cases
 from mtl.parallel.context_parallel.block_attention import merge_partial_into
 from mtl.parallel.context_parallel.flash_blocks import (
     _cudnn_ok,
@@ -83,16 +89,6 @@ def test_two_key_blocks_merge_to_full_attention(causal, groups, kernel):
         torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=3e-2, msg=lambda m, n=name: f"{n}: {m}")
 
 
-class OwnRing:
-    """A ring of one rank: the dK/dV accumulator's last hop is to itself."""
-
-    size, rank = 1, 0
-
-    def exchange(self, send, recv, tag):
-        recv.copy_(send)
-        return []
-
-
 @pytest.mark.parametrize("groups", [4, 2])
 def test_ring_of_one_equals_full_attention(groups):
     """RingAttention end to end on the fused path (three causal pieces, merged in place, the
@@ -104,7 +100,7 @@ def test_ring_of_one_equals_full_attention(groups):
     q = torch.randn(B, S, heads, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(B, S, groups, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     dout = torch.randn(B, S, heads, D, device="cuda", dtype=torch.bfloat16)
-    out = RingAttention.apply(q, k, v, OwnRing(), True, scale)
+    out = RingAttention.apply(q, k, v, cp_cases.RingOfOne(), True, scale)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     ref_out, *ref_grads = reference(q.detach(), k.detach(), v.detach(), dout, True, scale)
     for name, got, want in [("out", out, ref_out), *zip(("dq", "dk", "dv"), grads, ref_grads)]:

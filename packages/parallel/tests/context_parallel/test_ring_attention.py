@@ -36,17 +36,6 @@ def test_split_gather_positions_and_dropout_refusal(world):
     cp_cases.assert_sharding_and_refusals(*world)
 
 
-class _RingOfOne:
-    """``CpRing`` of a group of one, without processes: the one exchange, backward's last dK/dV
-    hop, goes to this rank itself."""
-
-    size, rank = 1, 0
-
-    def exchange(self, send, recv, tag):
-        recv.copy_(send)
-        return []
-
-
 # float64: one whole-sequence block in fp32 is already ~2e-6 off the reference, over the 1e-6
 # that the ring's smaller fp32 blocks meet.
 @pytest.mark.parametrize("case", [c for c in cp_cases.CASES if c.dtype == torch.float64], ids=lambda c: c.name)
@@ -56,7 +45,7 @@ def test_ring_of_one_rank_matches_full_attention(case):
     inputs = cp_cases.make_inputs(case)
     q, k, v = (inputs[n].clone().requires_grad_() for n in ("q", "k", "v"))
     scale = case.softmax_scale if case.softmax_scale is not None else cp_cases.HEAD_DIM**-0.5
-    out = RingAttention.apply(q, k, v, _RingOfOne(), case.causal, scale)
+    out = RingAttention.apply(q, k, v, cp_cases.RingOfOne(), case.causal, scale)
     out.backward(inputs["dout"])
     tol = cp_cases.TOLERANCE[case.dtype]
     reference = cp_cases.reference_attention(case, inputs)

@@ -43,7 +43,7 @@ _PREF_MAX_WORKSPACE_BYTES = 1
 _PREF_MIN_ALIGNMENT_BYTES = (5, 6, 7, 8)  # of A, B, C, D
 _MAX_ALIGNMENT = 256  # what cuBLASLt assumes when told nothing
 _MIN_ALIGNMENT = 16  # bytes: every pointer of an FP8 GEMM
-_CUDA_MULTIPLE = 16  # every dimension of one
+CUDA_MULTIPLE = 16  # every dimension of one (cuBLASLt's rule, so torch._scaled_mm's too)
 _STATUS_NOT_SUPPORTED = 15  # cublasStatus_t
 
 WORKSPACE_BYTES = 32 * 1024 * 1024  # NVIDIA's recommendation for Hopper
@@ -59,7 +59,7 @@ class _HeuristicResult(ctypes.Structure):
 
 
 class CublasLtError(RuntimeError):
-    pass
+    """A cuBLASLt call returned an error status (named with the call)."""
 
 
 class _NoAlgorithm(CublasLtError):
@@ -75,8 +75,8 @@ def _library_path() -> str | None:
                 path = line.rstrip().split(" ")[-1]
                 if "libcublasLt.so" in os.path.basename(path):
                     return path
-    except OSError:
-        pass
+    except OSError:  # no /proc (not Linux): the caller tries the library's usual name
+        return None
     return None
 
 
@@ -192,7 +192,7 @@ def accepts(out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor, b: torch.
     return (out.is_cuda and out.dtype == torch.float32 and a.dtype in _FP8_TYPES and b.dtype in _FP8_TYPES
             and all(s.dim() == 0 and s.dtype == torch.float32 and s.device == out.device for s in (a_scale, b_scale))
             and all(t.is_contiguous() and _alignment(t) >= _MIN_ALIGNMENT for t in tensors)
-            and not any(d % _CUDA_MULTIPLE for d in (*a.shape, b.shape[0])))
+            and not any(d % CUDA_MULTIPLE for d in (*a.shape, b.shape[0])))
 
 
 def _workspace(index: int, stream: int) -> torch.Tensor:

@@ -100,10 +100,14 @@ class Fp8Gemm:
     def enable_main_grad_accumulation(self) -> None:
         self.accumulates_main_grad = True
 
+    def _layout_plan(self) -> GemmPlan:
+        """The plan's fixed part: recipe, gradient format, TP layout, accumulation mode."""
+        return GemmPlan(rowwise=self.fp8.recipe == "rowwise", grad_dtype=self.grad_dtype, tp_group=self.tp_group,
+                        k_split=self.k_split, fast_accum=self.fp8.fast_accumulation)
+
     def _plan(self, x: torch.Tensor, weight: torch.Tensor) -> GemmPlan:
         recipe = self.fp8.recipe
-        plan = GemmPlan(rowwise=recipe == "rowwise", grad_dtype=self.grad_dtype, tp_group=self.tp_group,
-                        k_split=self.k_split, fast_accum=self.fp8.fast_accumulation)
+        plan = self._layout_plan()
         if recipe == "current":
             plan.scale_x = self._current_scale(INPUT, x, E4M3)
             plan.weight = self._cached_weight(plan, weight)
@@ -139,9 +143,7 @@ class Fp8Gemm:
         # every time, not only when marked stale: the cache's own check also sees an in-place
         # edit of the weight (its version counter), which a captured forward cannot look at
         if self.weight_cache is not None:
-            plan = GemmPlan(rowwise=self.fp8.recipe == "rowwise", grad_dtype=self.grad_dtype, tp_group=self.tp_group,
-                            k_split=self.k_split)
-            self._cached_weight(plan, self.weight)
+            self._cached_weight(self._layout_plan(), self.weight)
 
     def _plan_delayed(self, plan: GemmPlan, x: torch.Tensor, weight: torch.Tensor) -> None:
         """The scales from the amax history, through the ops of ``delayed.py`` (which tell a

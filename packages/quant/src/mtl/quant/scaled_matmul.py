@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from mtl.quant import cublaslt
-
-CUDA_MULTIPLE = 16
+from mtl.quant.cublaslt import CUDA_MULTIPLE
 
 
 def _round_up(n: int) -> int:
