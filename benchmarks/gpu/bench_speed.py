@@ -22,7 +22,9 @@ table goes on:
   regions with ``torch.compile(mode=MODE)``, e.g. ``reduce-overhead`` for CUDA graphs;
   ``bench.env.NAME=VALUE`` sets an environment variable in the row's process, e.g.
   ``bench.env.MTL_FP8_WEIGHT_CACHE=0``; ``bench.te_wgrad=all|leaves|none`` picks which TE
-  modules accumulate their weight gradients into ``main_grad`` (mtl-te: all)).
+  modules accumulate their weight gradients into ``main_grad`` (mtl-te: all);
+  ``bench.te_fusion=all|qkv|none`` and ``bench.te_norm=te|local`` pick which leaves the te
+  backend fuses and whose norm it builds (``_te_layout``)).
 
 Every system runs the same resolved config (``--config``, default the reference model
 ``llama_reference.toml``, plus ``--set``): same shapes, micro-batch, global batch. s/iter is
@@ -354,6 +356,8 @@ def _bench_keys(sets: list[str]) -> list[str]:
             if choice == "all":  # the plain linears too, FP8 or not
                 for cls in plain:
                     cls.main_grad_accumulation_params = te_modules._MainGradAccumulation.main_grad_accumulation_params
+        elif key.strip() in ("bench.te_fusion", "bench.te_norm"):
+            _te_layout(key.strip(), value.strip().strip("'\""))
         elif key.strip().startswith("bench.inductor."):
             import ast
 
@@ -375,10 +379,41 @@ def _bench_keys(sets: list[str]) -> list[str]:
                                                               mode=value.strip().strip("'\""))
         elif key.strip().startswith("bench."):
             raise SystemExit(f"unknown bench key {key!r} (have bench.fused_loss, bench.wgrad_fusion, bench.te_wgrad, "
+                             "bench.te_fusion, bench.te_norm, "
                              "bench.inductor.<torch._inductor.config name>, bench.compile_mode, bench.env.<NAME>)")
         else:
             rest.append(item)
     return rest
+
+
+def _te_layout(key: str, choice: str) -> None:
+    """Which leaves the te backend builds, to measure TE's fusions against inductor's:
+    ``bench.te_fusion=all`` (mtl-te: LayerNormLinear for QKV, LayerNormMLP for the MLP),
+    ``qkv`` (LayerNormLinear for QKV and fc1, mtl's SwiGLU between fc1 and a ``te.Linear`` fc2,
+    as Megatron-Core's TE layer spec), ``none`` (the norm, then ``te.Linear``s: every norm and
+    activation outside TE); ``bench.te_norm=local`` builds the separate norms with the local
+    backend's factory (compiled by inductor) instead of ``te.RMSNorm``."""
+    import dataclasses
+
+    import mtl.core.plugins as plugins
+    import mtl.te.plugin as te_plugin
+
+    te = te_plugin.TE_BACKEND
+    if key == "bench.te_fusion":
+        layouts = {"all": te,
+                   "qkv": dataclasses.replace(te, norm_mlp=None),
+                   "none": dataclasses.replace(te, norm_mlp=None, norm_column_linear=None)}
+        if choice not in layouts:
+            raise SystemExit(f"bench.te_fusion = {choice!r}: one of {', '.join(layouts)}")
+        te = layouts[choice]
+    elif choice == "local":
+        from mtl.parallel.backend_local import factories as local_factories
+
+        te = dataclasses.replace(te, norm=local_factories.norm)
+    elif choice != "te":
+        raise SystemExit(f"bench.te_norm = {choice!r}: te or local")
+    te_plugin.TE_BACKEND = te  # the hook returns the module's record when the registry is built
+    plugins._registries.clear()
 
 
 def worker_mtl(spec: dict) -> dict:

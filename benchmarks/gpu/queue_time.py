@@ -40,7 +40,9 @@ def main() -> None:
 
     from bench_speed import _bench_keys
 
-    run = setup(load_config(str(HERE / "llama_reference.toml"), _bench_keys(args.sets)))
+    # enough samples for the warm-up, the timed steps, the profiled one and the batch taken ahead
+    iters = f"train.iters={args.steps + 4}"
+    run = setup(load_config(str(HERE / "llama_reference.toml"), [iters, *_bench_keys(args.sets)]))
     cfg, t = run.config, run.config.train
     scaler = LossScaler.for_config(t)
     batches = MicroBatches(run.datasets["train"], cfg, run.topology, run.device, 0)
