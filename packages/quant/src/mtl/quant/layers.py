@@ -10,7 +10,12 @@ Which amaxes are reduced over TP so that every rank's scale is one process's: th
 always (TP splits it), the input's in a row layer (its features are split), the output
 gradient's in a column layer (its features are split). Under sequence parallelism the column
 layer's input is gathered before the GEMM and the row layer's output gradient is gathered by
-the reduce-scatter's backward, so neither needs more.
+the reduce-scatter's backward, so neither needs more. Context parallelism splits every
+activation's tokens over the cp group, so the input's and the output gradient's amaxes (and,
+row-wise, the weight gradient's scales along the tokens) are also reduced over cp; without
+that, cp=2 trained with other scales than one process (weight gradients 15% apart on the
+tiny model). Data parallelism splits micro-batches, not tokens: one process scales each
+micro-batch on its own too, so current scaling reduces nothing over dp.
 
 Delayed scaling keeps ``fp8_amax_history`` ``[3, L]`` (rows: input, weight, output gradient;
 column 0 the most recent) as a parameter with ``requires_grad=False``: the model-state
@@ -66,6 +71,7 @@ class Fp8Gemm:
         self.grad_dtype = formats(fp8.format)[1]
         dp_group = topology.group("dp_cp") if topology is not None else None
         self.history_groups = (self.tp_group, dp_group)
+        self.cp_group = topology.cp_group if topology is not None else None  # splits the tokens
         if fp8.recipe == "delayed":
             self.fp8_amax_history = nn.Parameter(torch.zeros(3, fp8.amax_history_len), requires_grad=False)
             self.fp8_key = delayed.new_layer_key(self)  # names this layer's pending scales (delayed.py)
@@ -86,7 +92,9 @@ class Fp8Gemm:
         """The groups over which this role's amax is reduced (see the module docstring)."""
         split = role == WEIGHT or (role == INPUT) == self.k_split
         tp_group = self.tp_group if split else None
-        return (tp_group, self.history_groups[1]) if self.fp8.recipe == "delayed" else (tp_group,)
+        if self.fp8.recipe == "delayed":  # the data/context-parallel group holds cp
+            return (tp_group, self.history_groups[1])
+        return (tp_group, None if role == WEIGHT else self.cp_group)
 
     def _current_scale(self, role: int, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return scale_from_amax(reduce_max(amax(tensor), *self._groups(role)), dtype)
@@ -103,7 +111,7 @@ class Fp8Gemm:
     def _layout_plan(self) -> GemmPlan:
         """The plan's fixed part: recipe, gradient format, TP layout, accumulation mode."""
         return GemmPlan(rowwise=self.fp8.recipe == "rowwise", grad_dtype=self.grad_dtype, tp_group=self.tp_group,
-                        k_split=self.k_split, fast_accum=self.fp8.fast_accumulation)
+                        k_split=self.k_split, fast_accum=self.fp8.fast_accumulation, cp_group=self.cp_group)
 
     def _plan(self, x: torch.Tensor, weight: torch.Tensor) -> GemmPlan:
         recipe = self.fp8.recipe

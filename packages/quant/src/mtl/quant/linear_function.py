@@ -51,6 +51,7 @@ class GemmPlan:
     scale_w: torch.Tensor | None = None
     weight: QuantizedWeight | None = None  # the cached FP8 weight (None: quantized here, per call)
     fast_accum: bool = False  # the forward GEMM in Hopper's fast accumulation (train.fp8_fast_accumulation)
+    cp_group: Any = None  # context parallelism splits the tokens over it (None at cp=1)
 
 
 def _rowwise(t: torch.Tensor, dtype: torch.dtype, group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,9 +112,10 @@ class Fp8Linear(torch.autograd.Function):
             dyq, s_dy = _rowwise(dy, plan.grad_dtype, _n_group(plan))
             wtq, s_wt = cached.backward if cached is not None else _rowwise(weight.t(), E4M3, _n_group(plan))
             dx = scaled_mm(dyq, s_dy, wtq, s_wt, ctx.x_dtype)
-            # dW [N, K] = dyᵀ [N, M] @ x [M, K]: contraction over the tokens, whole on every rank
-            dytq, s_dyt = _rowwise(dy.t(), plan.grad_dtype, None)
-            xtq, s_xt = _rowwise(x.t(), E4M3, None)
+            # dW [N, K] = dyᵀ [N, M] @ x [M, K]: contraction over the tokens, whole on every TP
+            # rank (sequence parallelism gathers them) but split over cp
+            dytq, s_dyt = _rowwise(dy.t(), plan.grad_dtype, plan.cp_group)
+            xtq, s_xt = _rowwise(x.t(), E4M3, plan.cp_group)
             return dx, _weight_grad(ctx.main_grad, dytq, s_dyt, xtq, s_xt, ctx.weight_dtype), None, None, None
         xq, wq = saved
         s_dy = plan.grad_scale(dy)
