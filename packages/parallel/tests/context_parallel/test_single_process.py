@@ -82,8 +82,9 @@ def test_block_plan_covers_exactly_the_causal_pairs_and_balances_work(cp):
         assert torch.equal(covered, expected), f"cp={cp} rank {r}"
         work.append(computed)
     assert len(set(work)) == 1, f"unbalanced attention work per rank: {work}"
-    # c x c tiles per rank: 3 on the diagonal step, 2 on each of the cp - 1 others
-    assert work[0] == chunk * chunk * (3 + 2 * (cp - 1))
+    # c x c tiles per rank: the diagonal step's causal piece spans 4 (one of them all masked,
+    # which the fused kernels skip), 2 on each of the cp - 1 others
+    assert work[0] == chunk * chunk * (4 + 2 * (cp - 1))
 
 
 def test_split_layout_and_position_ids_without_processes():

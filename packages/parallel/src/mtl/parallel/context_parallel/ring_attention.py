@@ -8,8 +8,10 @@ of a (query rank r, key rank j) pair follows from the chunk order
 ``j < r < 2cp-1-r < 2cp-1-j`` (for j < r) and ``r < j, 2cp-1-j < 2cp-1-r`` (for j > r):
 
     j == r: lower-triangular over the local sequence: each q chunk against its own k/v chunk
-            (causal), the second q chunk against the first k/v chunk (full); the first q
-            chunk against the second k/v chunk is all masked and skipped
+            (causal), the second q chunk against the first k/v chunk (full), the first q
+            chunk against the second k/v chunk masked. The two chunks are in global order, so
+            that is plain causal attention over the local 2c tokens: one square causal piece
+            (one kernel call and no merge, where three pieces took three and a merge)
     j <  r: both chunks of q against the first chunk of k/v, no mask (the second is in the future)
     j >  r: the second chunk of q against both chunks of k/v, no mask (the first q chunk is earlier)
 
@@ -91,8 +93,8 @@ def _block_plan(q_rank: int, kv_rank: int, chunk: int, causal: bool) -> list[tup
     first, second = slice(0, chunk), slice(chunk, 2 * chunk)
     if not causal:
         return [(everything, everything, None)]
-    if kv_rank == q_rank:
-        return [(first, first, 0), (second, first, None), (second, second, 0)]
+    if kv_rank == q_rank:  # the local chunks are in global order: causal over all 2c tokens
+        return [(everything, everything, 0)]
     if kv_rank < q_rank:
         return [(everything, first, None)]
     return [(second, everything, None)]
