@@ -9,7 +9,9 @@ sequence.
 into the buffer it receives (one device, no peer), so the rank computes exactly the block pairs
 of its real ring position (``--rank``; every rank by default). Times are forward + backward per
 call, in ms (CUDA events, mean of ``--iters``). The ideal for cp ranks is the full-sequence
-SDPA time divided by cp.
+SDPA time divided by cp. The last two columns are ``parallel.cp_comm_type = "all_gather"``'s
+attention against a gathered k/v (eager, and compiled with ``fullgraph=True``), without the
+all-gather itself.
 """
 
 from __future__ import annotations
@@ -65,8 +67,9 @@ def main() -> None:
     print(f"seq {args.seq}, batch {b}, heads {h}, head dim {d}, bf16, {torch.cuda.get_device_name()}")
     print(f"one GPU, SDPA over the whole sequence: {full_ms:.2f} ms fwd+bwd; ideal per cp rank: "
           f"{full_ms / args.cp:.2f} ms")
-    print("| cp rank | ring's kernel | its blocks ms | FlashAttention-2 blocks ms | einsum blocks ms | ring / ideal |")
-    print("|---|---|---|---|---|---|")
+    print("| cp rank | ring's kernel | its blocks ms | FlashAttention-2 blocks ms | einsum blocks ms | ring / ideal "
+          "| all-gathered k/v, eager ms | all-gathered k/v, compiled ms |")
+    print("|---|---|---|---|---|---|---|---|")
     ql, kl, vl = make(s_local)
     dl = torch.randn_like(ql)
     for rank in ([args.rank] if args.rank is not None else range(args.cp)):
@@ -91,13 +94,28 @@ def main() -> None:
         finally:
             flash_blocks.flash_blocks_supported = supported
             ring_module.flash_blocks_supported = supported
+        gathered_ms = [cuda_ms_per_call(step, args.iters) for step in gathered_steps(ql, kl, vl, dl, args.cp, rank, scale)]
         print(f"| {rank} | {chosen(ql)} | {flash_ms:.2f} | {fa2_ms:.2f} | {einsum_ms:.2f} "
-              f"| {flash_ms / (full_ms / args.cp):.2f}x |")
+              f"| {flash_ms / (full_ms / args.cp):.2f}x | {gathered_ms[0]:.2f} | {gathered_ms[1]:.2f} |")
         if args.profile and rank == 0:
             profiled = kernel_table(ring_step)
     if args.profile:
         print("\nflash path, cp rank 0, kernels per call (ms, launches):")
         print(profiled)
+
+
+def gathered_steps(q, k, v, dout, cp: int, rank: int, scale: float) -> list:
+    """``cp_comm_type = "all_gather"``'s attention for this rank, eager and compiled, on a gathered
+    k/v of cp copies of this rank's (the all-gather itself, a collective, is not timed here)."""
+    from mtl.parallel.context_parallel.all_gather_attention import attention_over_gathered
+    from mtl.parallel.context_parallel.flash_blocks import fused_kernel
+
+    kernel = fused_kernel(q.device, q.dtype, q.size(-1))
+    local = torch.stack([k.detach(), v.detach()], dim=1).transpose(0, 2)
+    gathered = torch.cat([local] * cp).requires_grad_()
+    compiled = torch.compile(attention_over_gathered, fullgraph=True, dynamic=False)
+    return [lambda fn=fn: fn(q, gathered, cp, rank, True, scale, kernel).backward(dout)
+            for fn in (attention_over_gathered, compiled)]
 
 
 def kernel_table(fn, calls: int = 5, rows: int = 20) -> str:

@@ -45,12 +45,13 @@ def test_one_process_compiled_equals_eager_in_one_graph(eager_reference):
 
 # Collectives inside the layer (tp + sp), overlapped parameter gathers and selective
 # recompute (dp + distributed optimizer), full recompute over interleaved pipeline chunks,
-# and context parallelism's ring.
+# and context parallelism (the ring, and all-gathered k/v).
 CASES = {
     "tp2_sp": [],
     "dp2_distopt": ["parallel.overlap_param_gather=true", "train.recompute=selective"],
     "pp2_vpp2": ["train.recompute=full"],
     "cp2": [],
+    "cp2_allgather": [],  # k/v all-gathered: the whole attention compiles with the layer
 }
 
 

@@ -92,7 +92,7 @@ def reference_attention(case: Case, inputs: dict[str, torch.Tensor]) -> dict[str
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def assert_case_matches_reference(case: Case, layouts: list[tuple[int, int]], per_rank: list[dict]) -> None:
+def assert_case_matches_reference(case: Case, layouts: list[tuple], per_rank: list[dict]) -> None:
     """Every rank's gathered output and gradients equal the float64 one-process reference."""
     reference = reference_attention(case, make_inputs(case))
     tol = TOLERANCE[case.dtype]
@@ -103,16 +103,17 @@ def assert_case_matches_reference(case: Case, layouts: list[tuple[int, int]], pe
                 assert got[name].dtype == case.dtype, (layout, rank, name)
                 torch.testing.assert_close(
                     got[name].double(), expected, atol=tol, rtol=tol,
-                    msg=lambda m, where=(layout, rank, name): f"(tp, cp), rank, tensor = {where}: {m}",
+                    msg=lambda m, where=(layout, rank, name): f"(tp, cp[, comm]), rank, tensor = {where}: {m}",
                 )
 
 
-def assert_sharding_and_refusals(layouts: list[tuple[int, int]], per_rank: list[dict]) -> None:
+def assert_sharding_and_refusals(layouts: list[tuple], per_rank: list[dict]) -> None:
     """Split/gather round trip, local shape, position ids and the dropout refusal on every rank."""
     full = torch.arange(2 * 3 * SEQ, dtype=torch.float32).reshape(2, SEQ, 3)
-    for tp, cp in layouts:
+    for key in layouts:
+        cp = key[1]
         for results in per_rank:
-            layout = results[(tp, cp)]
+            layout = results[key]
             assert layout["local_shape"] == (2, SEQ // cp, 3)
             assert torch.equal(layout["round_trip"], full)
             assert layout["position_ids"].tolist() == EXPECTED_POSITIONS[cp][layout["cp_rank"]]
@@ -131,12 +132,14 @@ def _run_case(case: Case, topology: Topology, device: str) -> dict[str, torch.Te
     return {name: gather_from_context_parallel(t, 1, topology).cpu() for name, t in gathered.items()}
 
 
-def worker(layouts: list[tuple[int, int]], device: str = "cpu") -> dict:
-    """On every rank: for each (tp, cp) layout, every case gathered to full order, plus the
-    sharding checks and the dropout refusal. Returns everything for the parent to compare."""
+def worker(layouts: list[tuple], device: str = "cpu") -> dict:
+    """On every rank: for each (tp, cp[, cp_comm_type]) layout (default "p2p", the ring), every
+    case gathered to full order, plus the sharding checks and the dropout refusal. Returns
+    everything for the parent to compare, by layout."""
     results: dict = {}
-    for tp, cp in layouts:
-        topology = Topology.build(tp=tp, cp=cp)
+    for key in layouts:
+        tp, cp, *comm = key
+        topology = Topology.build(tp=tp, cp=cp, cp_comm_type=comm[0] if comm else "p2p")
         layout = {"cp_rank": topology.cp_rank, "cases": {}}
         for case in CASES:
             layout["cases"][case.name] = _run_case(case, topology, device)
@@ -151,7 +154,7 @@ def worker(layouts: list[tuple[int, int]], device: str = "cpu") -> dict:
             layout["dropout_error"] = None
         except ParallelError as err:
             layout["dropout_error"] = str(err)
-        results[(tp, cp)] = layout
+        results[key] = layout
         dist.barrier()
     return results
 

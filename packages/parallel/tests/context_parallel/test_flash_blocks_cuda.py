@@ -91,8 +91,8 @@ def test_two_key_blocks_merge_to_full_attention(causal, groups, kernel):
 
 @pytest.mark.parametrize("groups", [4, 2])
 def test_ring_of_one_equals_full_attention(groups):
-    """RingAttention end to end on the fused path (three causal pieces, merged in place, the
-    backward from the final output and log-sum-exp) against float64 attention over the sequence."""
+    """RingAttention end to end on the fused path (one causal piece, the backward from the
+    final output and log-sum-exp) against float64 attention over the sequence."""
     from mtl.parallel.context_parallel.ring_attention import RingAttention
 
     torch.manual_seed(1)
@@ -102,6 +102,47 @@ def test_ring_of_one_equals_full_attention(groups):
     dout = torch.randn(B, S, heads, D, device="cuda", dtype=torch.bfloat16)
     out = RingAttention.apply(q, k, v, cp_cases.RingOfOne(), True, scale)
     grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_out, *ref_grads = reference(q.detach(), k.detach(), v.detach(), dout, True, scale)
+    for name, got, want in [("out", out, ref_out), *zip(("dq", "dk", "dv"), grads, ref_grads)]:
+        torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=3e-2, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_attention_over_gathered_kv_equals_full_attention(cp, compiled):
+    """``cp_comm_type = "all_gather"`` on the fused kernels, every cp rank simulated on one GPU:
+    each rank's queries against the gathered k/v (rank order, as the all-gather returns it),
+    the gradients of the shared gathered tensor summed as the reduce-scatter sums them.
+    Compiled with ``fullgraph=True``: the fused pieces and their backward trace without a break."""
+    from mtl.parallel.context_parallel import split_for_context_parallel
+    from mtl.parallel.context_parallel.all_gather_attention import attention_over_gathered
+    from mtl.parallel.context_parallel.flash_blocks import fused_kernel
+    from mtl.parallel.topology import Topology
+
+    torch.manual_seed(2)
+    heads, groups, scale = 4, 2, D**-0.5
+    q = torch.randn(B, S, heads, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(B, S, groups, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    dout = torch.randn(B, S, heads, D, device="cuda", dtype=torch.bfloat16)
+    kernel = fused_kernel(q.device, q.dtype, D)
+    assert kernel in ("cudnn", "flash")
+    ranks = [Topology(cp=cp, rank=r) for r in range(cp)]
+    local_kv = [torch.stack([split_for_context_parallel(t, 1, topo) for t in (k, v)], dim=1).transpose(0, 2)
+                for topo in ranks]
+    gathered = torch.cat(local_kv, dim=0)  # [cp * s_local, 2, b, groups, d], rank order
+    # dynamic=False: one process plays every rank here, so cp_rank changes between calls (a run has one)
+    attend = attention_over_gathered
+    if compiled:
+        attend = torch.compile(attention_over_gathered, fullgraph=True, dynamic=False)
+    outs = [attend(split_for_context_parallel(q, 1, topo), gathered, cp, topo.cp_rank, True, scale, kernel)
+            for topo in ranks]
+    loss = sum((o.float() * split_for_context_parallel(dout, 1, topo).float()).sum() for o, topo in zip(outs, ranks))
+    grads = torch.autograd.grad(loss, (q, k, v))
+    out = torch.empty_like(q)
+    for o, topo in zip(outs, ranks):  # back to sequence order: each rank's two chunks
+        c = S // (2 * cp)
+        out[:, topo.cp_rank * c:(topo.cp_rank + 1) * c] = o[:, :c]
+        out[:, (2 * cp - 1 - topo.cp_rank) * c:(2 * cp - topo.cp_rank) * c] = o[:, c:]
     ref_out, *ref_grads = reference(q.detach(), k.detach(), v.detach(), dout, True, scale)
     for name, got, want in [("out", out, ref_out), *zip(("dq", "dk", "dv"), grads, ref_grads)]:
         torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=3e-2, msg=lambda m, n=name: f"{n}: {m}")

@@ -1,5 +1,5 @@
-"""Ring attention at cp=2 and cp=4 (and tp=2 x cp=2) over gloo, and a ring of one rank, equals
-full-sequence attention computed in one process.
+"""Ring attention and all-gathered k/v attention at cp=2 and cp=4 (and tp=2 x cp=2) over gloo,
+and a ring of one rank, equal full-sequence attention computed in one process.
 
 One ``run_distributed`` call per world size runs every case (the machine has 2 cores), and the
 parent compares each rank's gathered output and gradients with a float64 reference."""
@@ -18,7 +18,8 @@ import cp_cases
 from mtl.parallel.context_parallel.ring_attention import RingAttention
 from mtl.parallel.testing import run_distributed
 
-WORLDS = {2: [(1, 2)], 4: [(1, 4), (2, 2)]}  # world size -> (tp, cp) layouts run in it
+# world size -> (tp, cp[, cp_comm_type]) layouts run in it: the ring, and k/v all-gathered
+WORLDS = {2: [(1, 2), (1, 2, "all_gather")], 4: [(1, 4), (2, 2), (1, 4, "all_gather"), (2, 2, "all_gather")]}
 
 
 @pytest.fixture(scope="module", params=sorted(WORLDS), ids=lambda w: f"world{w}")

@@ -1,5 +1,5 @@
 """The same equivalence as ``test_ring_attention.py`` on GPUs over NCCL (one process per GPU,
-cp=2). Skipped on machines with fewer than two CUDA devices, such as CI."""
+cp=2, both ``cp_comm_type`` values). Skipped on machines with fewer than two CUDA devices, such as CI."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import cp_cases
 from mtl.parallel.testing import free_port
 
-LAYOUTS = [(1, 2)]
+LAYOUTS = [(1, 2), (1, 2, "all_gather")]  # the ring, and k/v all-gathered
 WORLD_SIZE = 2
 
 pytestmark = pytest.mark.skipif(

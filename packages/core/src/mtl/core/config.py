@@ -27,6 +27,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.fp8": ("none", "current", "delayed", "rowwise", "blockwise"),
     "train.fp8_format": ("e4m3", "hybrid"),
     "train.fp8_amax_compute_algo": ("max", "most_recent"),
+    "parallel.cp_comm_type": ("p2p", "all_gather"),
 }
 
 
@@ -90,6 +91,11 @@ class ParallelConfig:
     pp: int = 1
     vpp: int = 1
     cp: int = 1
+    # How cp ranks share keys and values (Megatron's --cp-comm-type): "p2p" passes them around a
+    # ring with point-to-point sends overlapped with compute (it runs eagerly between a compiled
+    # layer's graphs); "all_gather" gathers every rank's k/v at once (dK/dV reduce-scattered),
+    # which compiles with the layer but holds the whole sequence's k/v on each rank.
+    cp_comm_type: str = "p2p"
     ep: int = 1
     sequence_parallel: bool = False
     distributed_optimizer: bool = False

@@ -50,6 +50,8 @@ class Topology:
     vpp: int = 1
     ep: int = 1
     rank: int = 0
+    # how cp ranks share keys/values: "p2p" (ring attention) or "all_gather" (mtl.parallel.context_parallel)
+    cp_comm_type: str = "p2p"
     groups: dict[str, object] = field(default_factory=dict)
     group_ranks: dict[str, list[int]] = field(default_factory=dict)
 
@@ -60,14 +62,15 @@ class Topology:
         return cls()
 
     @classmethod
-    def build(cls, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int = 1, ep: int = 1) -> "Topology":
+    def build(cls, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int = 1, ep: int = 1,
+              cp_comm_type: str = "p2p") -> "Topology":
         """Create all groups over the initialised default process group (or none if one process)."""
         if not dist.is_available() or not dist.is_initialized():
             if tp * pp * cp * ep != 1:
                 raise ParallelError(
                     f"tp*pp*cp*ep = {tp * pp * cp * ep} needs that many processes; launch with torchrun"
                 )
-            return cls(vpp=vpp)
+            return cls(vpp=vpp, cp_comm_type=cp_comm_type)
         world = dist.get_world_size()
         if world % (tp * pp * cp):
             raise ParallelError(
@@ -76,7 +79,7 @@ class Topology:
         dp = world // (tp * pp * cp)
         if dp % ep:
             raise ParallelError(f"ep = {ep} must divide the data-parallel size {dp}")
-        topo = cls(tp=tp, cp=cp, dp=dp, pp=pp, vpp=vpp, ep=ep, rank=dist.get_rank())
+        topo = cls(tp=tp, cp=cp, dp=dp, pp=pp, vpp=vpp, ep=ep, rank=dist.get_rank(), cp_comm_type=cp_comm_type)
         topo._create_groups(world)
         return topo
 

@@ -141,7 +141,7 @@ def setup(config: RunConfig) -> Run:
     config = config.resolve(world_size=world_size, tokenizer_vocab_size=tokenizer.vocab_size)
     check_checkpoint_dirs(config)
     p = config.parallel
-    topology = Topology.build(tp=p.tp, pp=p.pp, cp=p.cp, vpp=p.vpp, ep=p.ep)
+    topology = Topology.build(tp=p.tp, pp=p.pp, cp=p.cp, vpp=p.vpp, ep=p.ep, cp_comm_type=p.cp_comm_type)
     seed_everything(config.train.seed, topology, device)
     chunks = build_model_chunks(config, topology, device)
     ddp_chunks = wrap_data_parallel(config, topology, chunks)

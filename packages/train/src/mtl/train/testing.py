@@ -32,6 +32,7 @@ LAYOUTS = {
     "dp2": (2, []),
     "dp2_distopt": (2, ["parallel.distributed_optimizer=true"]),
     "cp2": (2, ["parallel.cp=2"]),
+    "cp2_allgather": (2, ["parallel.cp=2", "parallel.cp_comm_type='all_gather'"]),
     "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
     "tp2_dp2": (4, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     "dp2_pp2": (4, ["parallel.pp=2"]),

@@ -1,4 +1,5 @@
-"""Context parallelism: the sequence is split over the cp group and attention runs as a ring.
+"""Context parallelism: the sequence is split over the cp group, and attention runs as a ring
+(``topology.cp_comm_type = "p2p"``) or over all-gathered keys and values ("all_gather").
 
     q, k, v = (split_for_context_parallel(t, 1, topo) for t in (q, k, v))  # [b, s/cp, *, d]
     out = context_parallel_attention(q, k, v, topology=topo)                # [b, s/cp, heads, d]
@@ -11,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from mtl.core.errors import ParallelError
+from mtl.parallel.context_parallel.all_gather_attention import all_gather_attention
+from mtl.parallel.context_parallel.flash_blocks import fused_kernel
 from mtl.parallel.context_parallel.ring_attention import CpRing, RingAttention
 from mtl.parallel.context_parallel.sharding import (
     context_parallel_position_ids,
@@ -103,7 +106,18 @@ def context_parallel_attention(
             f"context_parallel_attention: local sequence length {q.size(1)} is odd; with cp = "
             f"{topology.cp} each rank holds two equal chunks, so split inputs with split_for_context_parallel"
         )
+    if topology.cp_comm_type == "all_gather":
+        return all_gather_attention(q, k, v, topology, causal, scale, _fused_kernel(q.device, q.dtype, q.size(-1)))
+    if topology.cp_comm_type != "p2p":
+        raise ParallelError(f"cp_comm_type {topology.cp_comm_type!r} is not one of p2p, all_gather")
     return _ring_attention(q, k, v, topology, causal, scale)
+
+
+@torch.compiler.assume_constant_result
+def _fused_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """The fused kernel the pieces run on (``flash_blocks.fused_kernel``), decided outside the
+    traced graph: it reads the device's generation and SDPA's switches."""
+    return fused_kernel(device, dtype, head_dim)
 
 
 @torch.compiler.disable(recursive=True)

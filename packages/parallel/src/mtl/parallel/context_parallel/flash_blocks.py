@@ -36,6 +36,17 @@ def _flash_ok(q: torch.Tensor) -> bool:
             and q.size(-1) <= 256)
 
 
+def fused_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """The fused kernel for inputs of this device, dtype and head dim: "cudnn", "flash", or
+    None where neither applies (the einsum path)."""
+    if device.type != "cuda" or dtype not in _HALF or head_dim % 8:
+        return None
+    probe = torch.empty(0, head_dim, device=device)  # what _cudnn_ok/_flash_ok read: device, head dim
+    if _cudnn_ok(probe):
+        return "cudnn"
+    return "flash" if _flash_ok(probe) else None
+
+
 def flash_blocks_supported(q: torch.Tensor) -> bool:
     """True where a fused kernel applies: CUDA, half precision, head dim a multiple of 8, and
     cuDNN's or FlashAttention-2's requirements met (GPU generation, SDPA's backend switches,

@@ -1,0 +1,129 @@
+"""Context-parallel attention over all-gathered keys and values (``parallel.cp_comm_type = "all_gather"``).
+
+The ring (``ring_attention.py``) passes k/v blocks between neighbours with point-to-point
+sends. Those cannot be traced, so the ring runs eagerly between a compiled layer's graphs,
+and its Python and small kernels are what bound the cp=2 step on 2 GPUs (benchmarks/RESULTS.md).
+This variant gathers every rank's k/v with one all-gather (its backward is one reduce-scatter
+of dK/dV), as Megatron-Core's ``cp_comm_type = "all_gather"`` and Llama 3's context
+parallelism do. Both collectives are traceable, so the whole attention compiles with its layer.
+
+What it costs: every rank holds the whole sequence's k/v (cp times the ring's; small with
+grouped-query attention), and the gather is not overlapped with attention compute (it happens
+between the QKV projection and attention).
+
+The gathered k/v stay in rank order: rank ``j``'s block is its two chunks, ``j`` and
+``2cp-1-j``. Rank ``r`` computes the same block pairs the ring computes
+(``ring_attention._block_plan``): its own block as one causal piece over its 2c tokens, the
+blocks of lower ranks against both its query chunks, those of higher ranks against its
+second. That is cp fused-kernel calls per direction (no reordering copy), and every key of
+this rank's view is computed by one piece only, so dK/dV need no accumulation here: each
+piece's result is written to its keys (in the inputs' precision on the fused path, as the ring
+sends them), then the all-gather's backward sums them over the ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtl.parallel.context_parallel.block_attention import (
+    block_backward,
+    block_forward,
+    compute_dtype,
+    merge_partial,
+)
+from mtl.parallel.context_parallel.flash_blocks import flash_block_backward, flash_block_forward
+from mtl.parallel.context_parallel.ring_attention import _block_plan
+from mtl.parallel.tensor_parallel.mappings import gather_from_sequence_parallel
+
+# A piece: (query rows of the local sequence, key rows of the gathered sequence, causal)
+Piece = tuple[slice, slice, bool]
+
+
+def pieces(cp: int, cp_rank: int, chunk: int, causal: bool) -> list[Piece]:
+    """The block pairs rank ``cp_rank`` computes against the gathered, rank-order k/v: its own
+    block first (it covers every query row), then the others in rank order."""
+    block = 2 * chunk
+    plan = []
+    for kv_rank in [cp_rank, *(j for j in range(cp) if j != cp_rank)]:
+        for rows, keys, mask_offset in _block_plan(cp_rank, kv_rank, chunk, causal):
+            # not slice.indices: dynamo under torch 2.11 cannot trace it
+            start, stop = keys.start or 0, block if keys.stop is None else keys.stop
+            plan.append((rows, slice(kv_rank * block + start, kv_rank * block + stop), mask_offset == 0))
+    return plan
+
+
+class GatheredKVAttention(torch.autograd.Function):
+    """Attention of this rank's queries against the gathered, rank-order k/v
+    ``[2, b, S, groups, d]``. ``kernel``: "cudnn" or "flash" (fused, half precision) or None
+    (einsum in the compute dtype)."""
+
+    @staticmethod
+    def forward(ctx, q, kv, plan: list[Piece], scale: float, kernel: str | None):
+        dtype = compute_dtype(q.dtype)
+        k, v = kv[0], kv[1]
+        out = lse = None
+        for rows, keys, causal in plan:
+            if kernel is not None:
+                part_out, part_lse = flash_block_forward(q[:, rows], k[:, keys], v[:, keys], scale, causal=causal,
+                                                         kernel=kernel)
+            else:
+                part_out, part_lse = block_forward(q[:, rows], k[:, keys], v[:, keys], scale, 0 if causal else None)
+            if out is None:  # the own block: every query row
+                out, lse = part_out.to(dtype), part_lse
+            else:
+                out[:, rows], lse[:, :, rows] = merge_partial(out[:, rows], lse[:, :, rows], part_out, part_lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, kv, out, lse)
+        ctx.plan, ctx.scale, ctx.kernel = plan, scale, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, kv, out, lse = ctx.saved_tensors
+        plan, scale, kernel = ctx.plan, ctx.scale, ctx.kernel
+        dtype = compute_dtype(q.dtype)
+        k, v = kv[0], kv[1]
+        dq = None
+        # one piece per key range (module docstring): written, not added; on the fused path in
+        # the inputs' precision, elsewhere in the compute dtype
+        dkv = torch.zeros(kv.shape, dtype=q.dtype if kernel is not None else dtype, device=kv.device)
+        if kernel is not None:
+            dout = dout.to(q.dtype).contiguous()
+        else:
+            dout = dout.to(dtype)
+            delta = (dout * out.to(dtype)).sum(-1).transpose(1, 2)  # rowsum(dO * O): [b, heads, s]
+        for rows, keys, causal in plan:
+            if kernel is not None:
+                dq_part, dk_part, dv_part = flash_block_backward(
+                    dout[:, rows], out[:, rows], q[:, rows], k[:, keys], v[:, keys], lse[:, :, rows], scale,
+                    causal=causal, kernel=kernel,
+                )
+            else:
+                dq_part, dk_part, dv_part = block_backward(
+                    dout[:, rows], delta[:, :, rows], q[:, rows], k[:, keys], v[:, keys], lse[:, :, rows], scale,
+                    0 if causal else None,
+                )
+            if dq is None:  # the own block: every query row
+                dq = dq_part.to(dtype)
+            else:
+                dq[:, rows] += dq_part
+            dkv[0][:, keys] = dk_part
+            dkv[1][:, keys] = dv_part
+        return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None
+
+
+def attention_over_gathered(q: torch.Tensor, gathered: torch.Tensor, cp: int, cp_rank: int, causal: bool,
+                            scale: float, kernel: str | None) -> torch.Tensor:
+    """``q`` ``[b, s_local, heads, d]`` against every rank's k/v, ``gathered`` ``[cp * s_local, 2, b,
+    groups, d]`` in rank order (what the all-gather returns); differentiable in both."""
+    kv = gathered.permute(1, 2, 0, 3, 4).contiguous()  # [2, b, S, groups, d], the layout the kernels read
+    return GatheredKVAttention.apply(q, kv, pieces(cp, cp_rank, q.size(1) // 2, causal), scale, kernel)
+
+
+def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topology, causal: bool, scale: float,
+                         kernel: str | None) -> torch.Tensor:
+    """Context-parallel attention with k/v all-gathered over the cp group (module docstring)."""
+    local = torch.stack([k, v], dim=1).transpose(0, 2)  # [s_local, 2, b, groups, d]
+    # backward: each rank's dK/dV summed over the ranks that attended to it (reduce-scatter)
+    gathered = gather_from_sequence_parallel(local.contiguous(), topology.cp_group, grad_is_partial=True)
+    return attention_over_gathered(q, gathered, topology.cp, topology.cp_rank, causal, scale, kernel)
