@@ -58,8 +58,9 @@ def test_merging_key_blocks_equals_softmax_over_all_keys():
     torch.testing.assert_close(into_lse, full_lse, atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "einsum"])
 @pytest.mark.parametrize("cp", [2, 3, 4])
-def test_block_plan_covers_exactly_the_causal_pairs_and_balances_work(cp):
+def test_block_plan_covers_exactly_the_causal_pairs_and_balances_work(cp, fused):
     chunk = 3
     seq = 2 * cp * chunk
     positions = [context_parallel_position_ids(seq, Topology(cp=cp, rank=r)) for r in range(cp)]
@@ -68,7 +69,7 @@ def test_block_plan_covers_exactly_the_causal_pairs_and_balances_work(cp):
         computed = 0  # score entries evaluated, masked ones included
         covered = torch.zeros(seq, seq, dtype=torch.bool)  # [query position, key position]
         for j in range(cp):
-            for rows, keys, mask_offset in _block_plan(r, j, chunk, causal=True):
+            for rows, keys, mask_offset in _block_plan(r, j, chunk, causal=True, fused=fused):
                 q_pos, k_pos = positions[r][rows], positions[j][keys]
                 pairs = torch.ones(len(q_pos), len(k_pos), dtype=torch.bool)
                 if mask_offset is not None:
@@ -82,9 +83,10 @@ def test_block_plan_covers_exactly_the_causal_pairs_and_balances_work(cp):
         assert torch.equal(covered, expected), f"cp={cp} rank {r}"
         work.append(computed)
     assert len(set(work)) == 1, f"unbalanced attention work per rank: {work}"
-    # c x c tiles per rank: the diagonal step's causal piece spans 4 (one of them all masked,
-    # which the fused kernels skip), 2 on each of the cp - 1 others
-    assert work[0] == chunk * chunk * (4 + 2 * (cp - 1))
+    # c x c tiles per rank: on the fused path the diagonal step's causal piece spans 4 (one of
+    # them all masked, which the kernels skip), the einsum path's three pieces 3; 2 on each of
+    # the cp - 1 other steps
+    assert work[0] == chunk * chunk * ((4 if fused else 3) + 2 * (cp - 1))
 
 
 def test_split_layout_and_position_ids_without_processes():
@@ -125,3 +127,28 @@ def test_bad_dtype_and_dropout_raise():
         context_parallel_attention(q, q.double(), q.double(), topology=Topology.single())
     with pytest.raises(ParallelError, match="dropout_p 1.5 must be in"):
         context_parallel_attention(q, q, q, topology=Topology.single(), dropout_p=1.5)
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_gathered_kv_attention_without_mask_at_an_odd_local_length(cp):
+    """Non-causal all-gathered attention needs no chunk layout: each rank's block is its whole
+    local sequence, whatever its length (3 here), and dK/dV summed over the ranks are exact."""
+    from mtl.parallel.context_parallel.all_gather_attention import attention_over_gathered
+
+    torch.manual_seed(3)
+    s_local, heads, groups, d = 3, 4, 2, 8
+    q = torch.randn(2, cp * s_local, heads, d, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, cp * s_local, groups, d, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    gathered = torch.stack([k, v], dim=1).transpose(0, 2)  # rank order = sequence order here
+    outs = [attention_over_gathered(q[:, r * s_local:(r + 1) * s_local], gathered, cp, r, False, d**-0.5, None)
+            for r in range(cp)]
+    out = torch.cat(outs, dim=1)
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2), v.repeat_interleave(2, 2).transpose(1, 2)
+    ).transpose(1, 2)
+    torch.testing.assert_close(out, reference, atol=1e-12, rtol=1e-12)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    expected = torch.autograd.grad(reference, (q, k, v), dout)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)

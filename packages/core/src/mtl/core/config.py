@@ -258,7 +258,7 @@ class RunConfig:
         _resolve_model(m, p, tokenizer_vocab_size)
         compile_unset = t.compile is None
         _resolve_train(t, p)
-        _check_backend(m, t, compile_unset)
+        _check_backend(cfg, compile_unset)
         _check_cuda_graphs(m, p, t)
         cfg.resolved = True
         return cfg
@@ -535,12 +535,14 @@ def _check_cuda_graphs(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> Non
                           "set train.cuda_graphs = false")
 
 
-def _check_backend(m: ModelConfig, t: TrainConfig, compile_unset: bool = False) -> None:
-    """The selected backend can run here and implements the FP8 recipe asked for. Only a
-    backend that is registered is asked (a missing one is named when the model is built).
-    ``compile_unset``: ``train.compile`` was derived, not given, so the backend's
-    ``fp8_compiles = False`` may turn it off for an FP8 run."""
+def _check_backend(cfg: "RunConfig", compile_unset: bool = False) -> None:
+    """The selected backend accepts the settings (its ``check_config``), can run here and
+    implements the FP8 recipe asked for. Only a backend that is registered is asked (a missing
+    one is named when the model is built). ``compile_unset``: ``train.compile`` was derived,
+    not given, so the backend's ``fp8_compiles = False`` may turn it off for an FP8 run."""
     from mtl.core.plugins import registry  # noqa: PLC0415 (plugins imports the hookspecs, not config)
+
+    m, t = cfg.model, cfg.train
 
     if t.fp8 != "none" and t.fp8_amax_history_len < 1:
         raise ConfigError(f"train.fp8_amax_history_len = {t.fp8_amax_history_len} must be at least 1")
@@ -548,6 +550,8 @@ def _check_backend(m: ModelConfig, t: TrainConfig, compile_unset: bool = False) 
     if m.backend not in backends:
         return
     backend = backends.get(m.backend)
+    if backend.check_config is not None:  # first: a setting it refuses is named even where it is not installed
+        backend.check_config(cfg)
     if backend.check_available is not None:
         backend.check_available()
     if t.fp8 != "none" and t.fp8 not in backend.fp8_recipes:

@@ -67,6 +67,11 @@ class Backend:
     rest gains; ``train.compile`` then defaults to off when ``train.fp8`` is set (an explicit
     ``train.compile = true`` is kept).
 
+    ``check_config(config) -> None`` (optional) raises ``mtl.core.errors.ConfigError``, naming
+    the keys and what to set instead, for settings the backend cannot run correctly; called by
+    ``RunConfig.resolve`` (the config resolved up to the backend checks), before any work and
+    whether or not the backend is installed.
+
     ``check_available() -> None`` (optional) raises ``mtl.core.errors.NotInstalledError`` with
     one line naming what to install when the backend cannot run in this environment (e.g.
     Transformer Engine missing); ``RunConfig.resolve`` calls it for the selected backend.
@@ -83,6 +88,7 @@ class Backend:
     fp8_recipes: tuple[str, ...] = ()
     check_available: Callable[[], None] | None = None
     fp8_compiles: bool = True
+    check_config: Callable[[Any], None] | None = None
 
 
 FP8_RECIPES = ("current", "delayed", "rowwise", "blockwise")

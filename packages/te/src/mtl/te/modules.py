@@ -42,7 +42,7 @@ def te_recipe_for(fp8: Fp8Settings | None):
     """The TE recipe of mtl's FP8 settings (None: no FP8)."""
     if fp8 is None:
         return None
-    if not fp8.fast_accumulation:
+    if not fp8.fast_accumulation:  # resolve refuses it first (config_checks.py); modules built directly land here
         raise ConfigError("train.fp8_fast_accumulation = false is the fp8 backend's setting: Transformer Engine's "
                           "recipes fix their own accumulation per GEMM; remove the key or use model.backend = 'fp8'")
     fmt = te_recipe.Format.HYBRID if fp8.format == "hybrid" else te_recipe.Format.E4M3

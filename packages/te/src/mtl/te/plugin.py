@@ -10,6 +10,7 @@ from mtl.core.hookspecs import hookimpl
 from mtl.core.registrations import Backend
 from mtl.te import factories
 from mtl.te.availability import require_te
+from mtl.te.config_checks import check_config
 
 TE_BACKEND = Backend(
     name="te",
@@ -21,6 +22,7 @@ TE_BACKEND = Backend(
     norm_mlp=factories.norm_mlp,
     fp8_recipes=("current", "delayed", "blockwise"),
     check_available=require_te,
+    check_config=check_config,
     # TE's FP8 autocast does not trace (modules.py, _fp8_call): on the H100 reference model a
     # compiled FP8 step took 1.69 s against 1.32 s eager (benchmarks/RESULTS.md)
     fp8_compiles=False,

@@ -116,7 +116,8 @@ def context_parallel_attention(
 @torch.compiler.assume_constant_result
 def _fused_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """The fused kernel the pieces run on (``flash_blocks.fused_kernel``), decided outside the
-    traced graph: it reads the device's generation and SDPA's switches."""
+    traced graph: it reads the device's generation and SDPA's switches. A compiled layer keeps
+    the kernel it was traced with (the ring reads the switches on every call)."""
     return fused_kernel(device, dtype, head_dim)
 
 

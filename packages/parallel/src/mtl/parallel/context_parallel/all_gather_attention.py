@@ -16,14 +16,16 @@ The gathered k/v stay in rank order: rank ``j``'s block is its two chunks, ``j``
 (``ring_attention._block_plan``): its own block as one causal piece over its 2c tokens, the
 blocks of lower ranks against both its query chunks, those of higher ranks against its
 second. That is cp fused-kernel calls per direction (no reordering copy), and every key of
-this rank's view is computed by one piece only, so dK/dV need no accumulation here: each
-piece's result is written to its keys (in the inputs' precision on the fused path, as the ring
-sends them), then the all-gather's backward sums them over the ranks.
+this rank's view is computed by one piece on the fused path, so dK/dV take one rounding in the
+inputs' precision there (as the ring sends them); the einsum path keeps the diagonal block in
+three pieces and accumulates in the compute dtype. The all-gather's backward then sums dK/dV
+over the ranks.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from mtl.parallel.context_parallel.block_attention import (
     block_backward,
@@ -39,13 +41,14 @@ from mtl.parallel.tensor_parallel.mappings import gather_from_sequence_parallel
 Piece = tuple[slice, slice, bool]
 
 
-def pieces(cp: int, cp_rank: int, chunk: int, causal: bool) -> list[Piece]:
-    """The block pairs rank ``cp_rank`` computes against the gathered, rank-order k/v: its own
-    block first (it covers every query row), then the others in rank order."""
-    block = 2 * chunk
+def pieces(cp: int, cp_rank: int, s_local: int, causal: bool, fused: bool) -> list[Piece]:
+    """The block pairs rank ``cp_rank`` computes against the gathered, rank-order k/v (each
+    rank's block ``s_local`` keys): its own block first (it covers every query row, in one
+    piece or, on the einsum path, three), then the others in rank order."""
+    block, chunk = s_local, s_local // 2
     plan = []
     for kv_rank in [cp_rank, *(j for j in range(cp) if j != cp_rank)]:
-        for rows, keys, mask_offset in _block_plan(cp_rank, kv_rank, chunk, causal):
+        for rows, keys, mask_offset in _block_plan(cp_rank, kv_rank, chunk, causal, fused):
             # not slice.indices: dynamo under torch 2.11 cannot trace it
             start, stop = keys.start or 0, block if keys.stop is None else keys.stop
             plan.append((rows, slice(kv_rank * block + start, kv_rank * block + stop), mask_offset == 0))
@@ -68,8 +71,10 @@ class GatheredKVAttention(torch.autograd.Function):
                                                          kernel=kernel)
             else:
                 part_out, part_lse = block_forward(q[:, rows], k[:, keys], v[:, keys], scale, 0 if causal else None)
-            if out is None:  # the own block: every query row
+            if out is None:  # the own block's first piece: every query row, or (einsum) the first chunk's
                 out, lse = part_out.to(dtype), part_lse
+            elif out.size(1) < q.size(1):  # (einsum) the own block's second chunk: append it
+                out, lse = torch.cat([out, part_out.to(dtype)], dim=1), torch.cat([lse, part_lse], dim=2)
             else:
                 out[:, rows], lse[:, :, rows] = merge_partial(out[:, rows], lse[:, :, rows], part_out, part_lse)
         out = out.to(q.dtype)
@@ -78,12 +83,13 @@ class GatheredKVAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # built from the final output and log-sum-exp: no graph of its own
     def backward(ctx, dout):
         q, kv, out, lse = ctx.saved_tensors
         plan, scale, kernel = ctx.plan, ctx.scale, ctx.kernel
         dtype = compute_dtype(q.dtype)
         k, v = kv[0], kv[1]
-        dq = None
+        dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
         # one piece per key range (module docstring): written, not added; on the fused path in
         # the inputs' precision, elsewhere in the compute dtype
         dkv = torch.zeros(kv.shape, dtype=q.dtype if kernel is not None else dtype, device=kv.device)
@@ -103,12 +109,11 @@ class GatheredKVAttention(torch.autograd.Function):
                     dout[:, rows], delta[:, :, rows], q[:, rows], k[:, keys], v[:, keys], lse[:, :, rows], scale,
                     0 if causal else None,
                 )
-            if dq is None:  # the own block: every query row
-                dq = dq_part.to(dtype)
-            else:
-                dq[:, rows] += dq_part
-            dkv[0][:, keys] = dk_part
-            dkv[1][:, keys] = dv_part
+            dq[:, rows] += dq_part
+            # a key range is one piece's, but the einsum path's diagonal block has two pieces on
+            # its first chunk: add (the buffer starts at zero)
+            dkv[0][:, keys] += dk_part
+            dkv[1][:, keys] += dv_part
         return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None
 
 
@@ -117,7 +122,8 @@ def attention_over_gathered(q: torch.Tensor, gathered: torch.Tensor, cp: int, cp
     """``q`` ``[b, s_local, heads, d]`` against every rank's k/v, ``gathered`` ``[cp * s_local, 2, b,
     groups, d]`` in rank order (what the all-gather returns); differentiable in both."""
     kv = gathered.permute(1, 2, 0, 3, 4).contiguous()  # [2, b, S, groups, d], the layout the kernels read
-    return GatheredKVAttention.apply(q, kv, pieces(cp, cp_rank, q.size(1) // 2, causal), scale, kernel)
+    plan = pieces(cp, cp_rank, q.size(1), causal, fused=kernel is not None)
+    return GatheredKVAttention.apply(q, kv, plan, scale, kernel)
 
 
 def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topology, causal: bool, scale: float,

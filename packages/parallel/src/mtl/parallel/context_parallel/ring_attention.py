@@ -10,8 +10,10 @@ of a (query rank r, key rank j) pair follows from the chunk order
     j == r: lower-triangular over the local sequence: each q chunk against its own k/v chunk
             (causal), the second q chunk against the first k/v chunk (full), the first q
             chunk against the second k/v chunk masked. The two chunks are in global order, so
-            that is plain causal attention over the local 2c tokens: one square causal piece
-            (one kernel call and no merge, where three pieces took three and a merge)
+            that is plain causal attention over the local 2c tokens: one square causal piece on
+            the fused kernels (one call and no merge, where three pieces took three and a
+            merge); the einsum path keeps the three pieces (it would compute and hold the
+            masked quarter)
     j <  r: both chunks of q against the first chunk of k/v, no mask (the second is in the future)
     j >  r: the second chunk of q against both chunks of k/v, no mask (the first q chunk is earlier)
 
@@ -86,15 +88,20 @@ class CpRing:
         return dist.batch_isend_irecv(ops)
 
 
-def _block_plan(q_rank: int, kv_rank: int, chunk: int, causal: bool) -> list[tuple[slice, slice, int | None]]:
+def _block_plan(q_rank: int, kv_rank: int, chunk: int, causal: bool,
+                fused: bool = True) -> list[tuple[slice, slice, int | None]]:
     """The pieces of one block pair to compute: (query rows, key rows, mask offset) of the local
-    sequence, the mask offset as ``block_attention`` reads it (None: no mask, 0: square causal)."""
+    sequence, the mask offset as ``block_attention`` reads it (None: no mask, 0: square causal).
+    ``fused``: the pieces run on fused kernels, which skip a causal piece's masked tiles; the
+    einsum path would compute (and hold) them, so it takes the diagonal block in three pieces."""
     everything = slice(None)
     first, second = slice(0, chunk), slice(chunk, 2 * chunk)
     if not causal:
         return [(everything, everything, None)]
-    if kv_rank == q_rank:  # the local chunks are in global order: causal over all 2c tokens
+    if kv_rank == q_rank and fused:  # the local chunks are in global order: causal over all 2c tokens
         return [(everything, everything, 0)]
+    if kv_rank == q_rank:
+        return [(first, first, 0), (second, first, None), (second, second, 0)]
     if kv_rank < q_rank:
         return [(everything, first, None)]
     return [(second, everything, None)]
@@ -126,7 +133,7 @@ class RingAttention(torch.autograd.Function):
             if step < ring.size - 1:  # start the next block's transfer before computing this one
                 next_block = torch.empty_like(block)
                 pending = ring.exchange(block, next_block, _KV_TAG)
-            for rows, keys, mask_offset in _block_plan(ring.rank, kv_rank, chunk, causal):
+            for rows, keys, mask_offset in _block_plan(ring.rank, kv_rank, chunk, causal, fused):
                 if fused:
                     part_out, part_lse = flash_block_forward(
                         q[:, rows], block[0][:, keys], block[1][:, keys], scale,
@@ -182,7 +189,7 @@ class RingAttention(torch.autograd.Function):
                 next_block = torch.empty_like(block)
                 kv_pending = ring.exchange(block, next_block, _KV_TAG, backward=True)
             kv_grads = []  # (key rows, dk part, dv part), added once the accumulator arrives
-            for rows, keys, mask_offset in _block_plan(ring.rank, kv_rank, chunk, causal):
+            for rows, keys, mask_offset in _block_plan(ring.rank, kv_rank, chunk, causal, fused):
                 if fused:
                     dq_part, dk_part, dv_part = flash_block_backward(
                         dout[:, rows], out[:, rows], q[:, rows], block[0][:, keys], block[1][:, keys],
