@@ -17,7 +17,7 @@ CASES = [
     # a decoding step's per-tensor amax covers one token, the full forward's all of them:
     # the cached logits match the full ones to FP8 precision, not fp32's
     BackendCase("fp8-current", [*FP8, "train.fp8='current'"], loss_rtol=1e-3, grad_rel=1e-3, logits_atol=5e-2,
-                layouts=("tp2", "tp2_sp", "pp2", "cp2")),
+                layouts=("tp2", "tp2_sp", "pp2", "cp2", "cp2_allgather")),
     BackendCase("fp8-delayed", [*FP8, "train.fp8='delayed'"], loss_rtol=1e-3, grad_rel=1e-3, logits_atol=5e-2,
                 layouts=("tp2_sp", "cp2")),
     # Megatron's precision layout: bf16 weights, fp32 main weights and gradients; the amax
