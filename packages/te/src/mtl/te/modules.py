@@ -29,6 +29,7 @@ from mtl.core.log import get_logger
 from mtl.core.registrations import Fp8Settings
 from mtl.parallel.random import get_rng_tracker
 from mtl.te.availability import require_te
+from mtl.te.config_checks import FAST_ACCUMULATION_REFUSED
 
 require_te()
 
@@ -43,8 +44,7 @@ def te_recipe_for(fp8: Fp8Settings | None):
     if fp8 is None:
         return None
     if not fp8.fast_accumulation:  # resolve refuses it first (config_checks.py); modules built directly land here
-        raise ConfigError("train.fp8_fast_accumulation = false is the fp8 backend's setting: Transformer Engine's "
-                          "recipes fix their own accumulation per GEMM; remove the key or use model.backend = 'fp8'")
+        raise ConfigError(FAST_ACCUMULATION_REFUSED)
     fmt = te_recipe.Format.HYBRID if fp8.format == "hybrid" else te_recipe.Format.E4M3
     if fp8.recipe == "delayed":
         return te_recipe.DelayedScaling(margin=fp8.margin, fp8_format=fmt, amax_history_len=fp8.amax_history_len,

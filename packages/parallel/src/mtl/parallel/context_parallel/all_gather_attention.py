@@ -7,9 +7,9 @@ This variant gathers every rank's k/v with one all-gather (its backward is one r
 of dK/dV), as Megatron-Core's ``cp_comm_type = "all_gather"`` and Llama 3's context
 parallelism do. Both collectives are traceable, so the whole attention compiles with its layer.
 
-What it costs: every rank holds the whole sequence's k/v (cp times the ring's; small with
-grouped-query attention), and the gather is not overlapped with attention compute (it happens
-between the QKV projection and attention).
+What it costs: every rank keeps the whole sequence's k/v for the backward (the ring keeps two
+blocks, so about cp/2 times as much; small with grouped-query attention), and the gather is not
+overlapped with attention compute (it happens between the QKV projection and attention).
 
 The gathered k/v stay in rank order: rank ``j``'s block is its two chunks, ``j`` and
 ``2cp-1-j``. Rank ``r`` computes the same block pairs the ring computes
@@ -90,8 +90,8 @@ class GatheredKVAttention(torch.autograd.Function):
         dtype = compute_dtype(q.dtype)
         k, v = kv[0], kv[1]
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
-        # one piece per key range (module docstring): written, not added; on the fused path in
-        # the inputs' precision, elsewhere in the compute dtype
+        # on the fused path one piece per key range (module docstring), so the inputs' precision
+        # rounds once; the einsum path accumulates in the compute dtype
         dkv = torch.zeros(kv.shape, dtype=q.dtype if kernel is not None else dtype, device=kv.device)
         if kernel is not None:
             dout = dout.to(q.dtype).contiguous()
@@ -110,8 +110,7 @@ class GatheredKVAttention(torch.autograd.Function):
                     0 if causal else None,
                 )
             dq[:, rows] += dq_part
-            # a key range is one piece's, but the einsum path's diagonal block has two pieces on
-            # its first chunk: add (the buffer starts at zero)
+            # added, not written: the einsum path's diagonal block has two pieces on its first chunk
             dkv[0][:, keys] += dk_part
             dkv[1][:, keys] += dv_part
         return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None
