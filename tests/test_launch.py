@@ -58,6 +58,29 @@ def test_torchrun_two_stages_logs_once_and_saves(tmp_path):
     assert (ckpt / "latest").read_text().strip() == "4"
 
 
+def test_torchrun_context_parallel_with_gathered_kv_trains_like_one_process(tmp_path):
+    """`parallel.cp_comm_type = "all_gather"` as users launch it: two processes at cp=2 log the
+    losses of one process (fp32; the layout tests compare gradients too)."""
+    config = write_config(tmp_path, iters=3)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def losses(launcher: list[str], *sets: str) -> list[float]:
+        logs = tmp_path / f"logs{len(sets)}"
+        cmd = [*launcher, "-m", "mtl.cli", "train", str(config), "--set", f"logging.dir='{logs}'"]
+        for item in sets:
+            cmd += ["--set", item]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return [row["loss"] for row in read_metrics(logs)]
+
+    single = losses([str(BIN / "python")])
+    gathered = losses([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"],
+                      "parallel.cp=2", "parallel.cp_comm_type='all_gather'")
+    assert len(single) == len(gathered) == 3
+    for one, two in zip(single, gathered):
+        assert abs(one - two) <= 1e-5 * abs(one), (single, gathered)
+
+
 def test_sigterm_saves_the_current_step_and_resume_continues(tmp_path):
     config = write_config(tmp_path, iters=100_000)
     logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
