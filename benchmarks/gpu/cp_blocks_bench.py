@@ -21,7 +21,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from mtl.parallel.context_parallel import flash_blocks
+from mtl.parallel.context_parallel.flash_blocks import fused_kernel
 from mtl.parallel.context_parallel.ring_attention import RingAttention
 from profile_step import cuda_ms_per_call, kernels_per_call
 
@@ -78,24 +78,18 @@ def main() -> None:
         def ring_step():
             RingAttention.apply(ql, kl, vl, ring, True, scale).backward(dl)
 
-        flash_ms = cuda_ms_per_call(ring_step, args.iters)  # the ring's own choice of kernel (default_kernel)
+        flash_ms = cuda_ms_per_call(ring_step, args.iters)  # the ring's own choice of kernel (fused_kernel)
         import mtl.parallel.context_parallel.ring_attention as ring_module
-        chosen = ring_module.default_kernel
-        ring_module.default_kernel = lambda t: "flash"  # FlashAttention-2, for comparison
+        chosen = ring_module.fused_kernel
         try:
+            ring_module.fused_kernel = lambda *_: "flash"  # FlashAttention-2, for comparison
             fa2_ms = cuda_ms_per_call(ring_step, args.iters)
-        finally:
-            ring_module.default_kernel = chosen
-        supported = flash_blocks.flash_blocks_supported
-        flash_blocks.flash_blocks_supported = lambda t: False  # the einsum path, for comparison
-        ring_module.flash_blocks_supported = flash_blocks.flash_blocks_supported
-        try:
+            ring_module.fused_kernel = lambda *_: None  # the einsum path, for comparison
             einsum_ms = cuda_ms_per_call(ring_step, max(2, args.iters // 5))
         finally:
-            flash_blocks.flash_blocks_supported = supported
-            ring_module.flash_blocks_supported = supported
+            ring_module.fused_kernel = chosen
         gathered_ms = [cuda_ms_per_call(step, args.iters) for step in gathered_steps(ql, kl, vl, dl, args.cp, rank, scale)]
-        print(f"| {rank} | {chosen(ql)} | {flash_ms:.2f} | {fa2_ms:.2f} | {einsum_ms:.2f} "
+        print(f"| {rank} | {chosen(ql.device, ql.dtype, ql.size(-1))} | {flash_ms:.2f} | {fa2_ms:.2f} | {einsum_ms:.2f} "
               f"| {flash_ms / (full_ms / args.cp):.2f}x | {gathered_ms[0]:.2f} | {gathered_ms[1]:.2f} |")
         if args.profile and rank == 0:
             profiled = kernel_table(ring_step)
@@ -108,7 +102,6 @@ def gathered_steps(q, k, v, dout, cp: int, rank: int, scale: float) -> list:
     """``cp_comm_type = "all_gather"``'s attention for this rank, eager and compiled, on a gathered
     k/v of cp copies of this rank's (the all-gather itself, a collective, is not timed here)."""
     from mtl.parallel.context_parallel.all_gather_attention import attention_over_gathered
-    from mtl.parallel.context_parallel.flash_blocks import fused_kernel
 
     kernel = fused_kernel(q.device, q.dtype, q.size(-1))
     local = torch.stack([k.detach(), v.detach()], dim=1).transpose(0, 2)

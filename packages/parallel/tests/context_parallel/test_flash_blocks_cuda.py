@@ -20,7 +20,7 @@ from mtl.parallel.context_parallel.flash_blocks import (
     _flash_ok,
     flash_block_backward,
     flash_block_forward,
-    flash_blocks_supported,
+    fused_kernel,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash kernels need CUDA")
@@ -46,8 +46,8 @@ def kernels():
     as SDPA's switches allow."""
     if not torch.cuda.is_available():
         return ["flash"]
-    probe = torch.empty(1, 1, 1, D, device="cuda", dtype=torch.bfloat16)
-    return [name for name, ok in (("cudnn", _cudnn_ok(probe)), ("flash", _flash_ok(probe))) if ok]
+    device = torch.device("cuda")
+    return [name for name, ok in (("cudnn", _cudnn_ok(device, D)), ("flash", _flash_ok(device, D))) if ok]
 
 
 @pytest.mark.parametrize("kernel", kernels())
@@ -60,7 +60,7 @@ def test_two_key_blocks_merge_to_full_attention(causal, groups, kernel):
     k, v = (torch.randn(B, S, groups, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     dout = torch.randn(B, S, heads, D, device="cuda", dtype=torch.bfloat16)
     scale = D**-0.5
-    assert flash_blocks_supported(q)
+    assert fused_kernel(q.device, q.dtype, D) is not None
     # The ring's pieces for causal attention over [first half | second half] of the keys:
     # rows of the first half see the first key block causally; rows of the second half see the
     # first key block fully and the second causally. Without a mask: every row, both blocks.
@@ -116,7 +116,6 @@ def test_attention_over_gathered_kv_equals_full_attention(cp, compiled):
     Compiled with ``fullgraph=True``: the fused pieces and their backward trace without a break."""
     from mtl.parallel.context_parallel import split_for_context_parallel
     from mtl.parallel.context_parallel.all_gather_attention import attention_over_gathered
-    from mtl.parallel.context_parallel.flash_blocks import fused_kernel
     from mtl.parallel.topology import Topology
 
     torch.manual_seed(2)

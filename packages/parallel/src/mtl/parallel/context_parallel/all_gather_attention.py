@@ -31,7 +31,7 @@ from mtl.parallel.context_parallel.block_attention import (
     block_backward,
     block_forward,
     compute_dtype,
-    merge_partial,
+    place_piece,
 )
 from mtl.parallel.context_parallel.flash_blocks import flash_block_backward, flash_block_forward
 from mtl.parallel.context_parallel.ring_attention import _block_plan
@@ -64,19 +64,17 @@ class GatheredKVAttention(torch.autograd.Function):
     def forward(ctx, q, kv, plan: list[Piece], scale: float, kernel: str | None):
         dtype = compute_dtype(q.dtype)
         k, v = kv[0], kv[1]
-        out = lse = None
+        b, s_local, heads, d = q.shape
+        out = torch.empty(b, s_local, heads, d, dtype=dtype, device=q.device)
+        lse = torch.empty(b, heads, s_local, dtype=dtype, device=q.device)
+        filled = 0  # as the ring: the own block's pieces cover the rows in order, later ones merge
         for rows, keys, causal in plan:
             if kernel is not None:
                 part_out, part_lse = flash_block_forward(q[:, rows], k[:, keys], v[:, keys], scale, causal=causal,
                                                          kernel=kernel)
             else:
                 part_out, part_lse = block_forward(q[:, rows], k[:, keys], v[:, keys], scale, 0 if causal else None)
-            if out is None:  # the own block's first piece: every query row, or (einsum) the first chunk's
-                out, lse = part_out.to(dtype), part_lse
-            elif out.size(1) < q.size(1):  # (einsum) the own block's second chunk: append it
-                out, lse = torch.cat([out, part_out.to(dtype)], dim=1), torch.cat([lse, part_lse], dim=2)
-            else:
-                out[:, rows], lse[:, :, rows] = merge_partial(out[:, rows], lse[:, :, rows], part_out, part_lse)
+            filled = place_piece(out, lse, filled, rows, part_out, part_lse)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, kv, out, lse)
         ctx.plan, ctx.scale, ctx.kernel = plan, scale, kernel

@@ -114,3 +114,19 @@ def merge_partial_into(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Ten
     part_weight = torch.exp(part_lse - new_lse).transpose(1, 2).unsqueeze(-1)
     out.mul_(old_weight).addcmul_(part_out, part_weight)
     lse.copy_(new_lse)
+
+
+def place_piece(out: torch.Tensor, lse: torch.Tensor, filled: int, rows: slice, part_out: torch.Tensor,
+                part_lse: torch.Tensor) -> int:
+    """Put one piece's result into the running ``out`` ``[b, s, heads, d]`` and ``lse``
+    ``[b, heads, s]`` at query ``rows``, whose rows ``[0, filled)`` hold results so far (the
+    pieces come in row order): copied in where nothing is there yet (a copy instead of a merge's
+    kernels), merged otherwise. Returns the new ``filled``. (No ``slice.indices``: dynamo under
+    torch 2.11 cannot trace it.)"""
+    start = rows.start or 0
+    if start >= filled:
+        out[:, rows] = part_out
+        lse[:, :, rows] = part_lse
+        return out.size(1) if rows.stop is None else rows.stop
+    merge_partial_into(out[:, rows], lse[:, :, rows], part_out, part_lse)
+    return filled

@@ -9,7 +9,7 @@ materialises fp32 score matrices; this one keeps attention on tensor cores at bf
 Two kernels, both through ``torch.ops.aten``: cuDNN's fused attention (``"cudnn"``, what SDPA
 picks on Hopper and the faster there: sm90 or later, head dim up to 128) and FlashAttention-2
 (``"flash"``: sm80 or later, head dim up to 256), each only where SDPA's own switch for it
-(``torch.backends.cuda.*_sdp_enabled``) is on. ``default_kernel`` prefers cuDNN. The ring
+(``torch.backends.cuda.*_sdp_enabled``) is on. ``fused_kernel`` prefers cuDNN. The ring
 decides once per call, in forward, and its backward uses the same kernel.
 
 Grouped-query attention: key/value groups are repeated to the query heads for the kernel and
@@ -24,42 +24,28 @@ _aten = torch.ops.aten
 _HALF = (torch.bfloat16, torch.float16)
 
 
-def _cudnn_ok(q: torch.Tensor) -> bool:
+def _cudnn_ok(device: torch.device, head_dim: int) -> bool:
     # Hopper or later, SDPA's cuDNN backend switched on, a head dim cuDNN's fused attention takes
-    return (torch.backends.cuda.cudnn_sdp_enabled() and torch.cuda.get_device_capability(q.device) >= (9, 0)
-            and q.size(-1) <= 128)
+    return (torch.backends.cuda.cudnn_sdp_enabled() and torch.cuda.get_device_capability(device) >= (9, 0)
+            and head_dim <= 128)
 
 
-def _flash_ok(q: torch.Tensor) -> bool:
+def _flash_ok(device: torch.device, head_dim: int) -> bool:
     # FlashAttention-2: Ampere or later, SDPA's flash backend switched on, head dim up to 256
-    return (torch.backends.cuda.flash_sdp_enabled() and torch.cuda.get_device_capability(q.device) >= (8, 0)
-            and q.size(-1) <= 256)
+    return (torch.backends.cuda.flash_sdp_enabled() and torch.cuda.get_device_capability(device) >= (8, 0)
+            and head_dim <= 256)
 
 
 def fused_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """The fused kernel for inputs of this device, dtype and head dim: "cudnn", "flash", or
-    None where neither applies (the einsum path)."""
+    """The fused kernel for inputs of this device, dtype and head dim: "cudnn" where it applies
+    (Hopper or later, SDPA's cuDNN backend on, head dim up to 128), else "flash" where
+    FlashAttention-2 does, else None: not CUDA, not half precision, a head dim that is not a
+    multiple of 8, or neither kernel allowed (the callers then take the einsum path)."""
     if device.type != "cuda" or dtype not in _HALF or head_dim % 8:
         return None
-    probe = torch.empty(0, head_dim, device=device)  # what _cudnn_ok/_flash_ok read: device, head dim
-    if _cudnn_ok(probe):
+    if _cudnn_ok(device, head_dim):
         return "cudnn"
-    return "flash" if _flash_ok(probe) else None
-
-
-def flash_blocks_supported(q: torch.Tensor) -> bool:
-    """True where a fused kernel applies: CUDA, half precision, head dim a multiple of 8, and
-    cuDNN's or FlashAttention-2's requirements met (GPU generation, SDPA's backend switches,
-    head dim). Elsewhere the ring takes the einsum path."""
-    if not (q.is_cuda and q.dtype in _HALF and q.size(-1) % 8 == 0):
-        return False
-    return _cudnn_ok(q) or _flash_ok(q)
-
-
-def default_kernel(q: torch.Tensor) -> str:
-    """"cudnn" where it applies (Hopper or later, SDPA's cuDNN backend on, head dim up to 128),
-    else "flash"; call only where ``flash_blocks_supported``."""
-    return "cudnn" if _cudnn_ok(q) else "flash"
+    return "flash" if _flash_ok(device, head_dim) else None
 
 
 def _heads_first(x: torch.Tensor, heads: int) -> torch.Tensor:

@@ -51,13 +51,12 @@ from mtl.parallel.context_parallel.block_attention import (
     block_backward,
     block_forward,
     compute_dtype,
-    merge_partial_into,
+    place_piece,
 )
 from mtl.parallel.context_parallel.flash_blocks import (
     flash_block_backward,
     flash_block_forward,
-    default_kernel,
-    flash_blocks_supported,
+    fused_kernel,
 )
 from mtl.parallel.topology import Topology
 
@@ -125,8 +124,8 @@ class RingAttention(torch.autograd.Function):
         filled = 0  # rows [0, filled) of out/lse hold a result; the plans list pieces in row order
         kv = torch.stack([k, v]).contiguous()  # [2, b, s_local, groups, d]; this rank's own, for backward
         block = kv  # the k/v block in hand
-        fused = flash_blocks_supported(q)
-        kernel = default_kernel(q) if fused else None
+        kernel = fused_kernel(q.device, q.dtype, q.size(-1))
+        fused = kernel is not None
         for step in range(ring.size):
             kv_rank = (ring.rank - step) % ring.size
             pending, next_block = [], None
@@ -143,13 +142,7 @@ class RingAttention(torch.autograd.Function):
                     part_out, part_lse = block_forward(
                         q[:, rows], block[0][:, keys], block[1][:, keys], scale, mask_offset
                     )
-                start, stop, _ = rows.indices(s_local)
-                if start >= filled:  # nothing to merge with yet: a copy instead of a merge's kernels
-                    out[:, rows] = part_out
-                    lse[:, :, rows] = part_lse
-                    filled = stop
-                else:
-                    merge_partial_into(out[:, rows], lse[:, :, rows], part_out, part_lse)
+                filled = place_piece(out, lse, filled, rows, part_out, part_lse)
             _wait(pending)
             if next_block is not None:
                 block = next_block
