@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Several GPUs of one host, bf16, the Llama-style reference model (llama_reference.toml):
+# first how the GPUs are linked and how fast (link_bandwidth.py; LINK=0 skips), then
 # one GPU, then every two-way layout (dp, tp+sp, pp, pp interleaved, cp) or, on 4 GPUs, dp=4 and tp=2 x dp=2;
 # (SHORT=0 skips these); then cp=2 at sequence 8192 against one GPU at 8192 (LONG=0 skips); then the MoE reference
 # (moe_reference.toml) on one GPU and at ep=2 (MOE=0 skips).
@@ -16,6 +17,10 @@ MOE=${MOE:-1}
 LONG=${LONG:-1}
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$NGPU" -lt 2 ]; then echo "bench_multi_gpu.sh needs at least 2 GPUs, found $NGPU" >&2; exit 1; fi
+if [ "${LINK:-1}" = 1 ]; then
+  timeout 120 torchrun --standalone --nproc-per-node "$NGPU" benchmarks/gpu/link_bandwidth.py 2>&1 | grep -v "^\[rank[1-9]" \
+    | tee "${OUT:-.}/link_bandwidth.md" || true
+fi
 rm -rf runs/multi_*  # metrics.jsonl appends, and the table lists every runs/multi_* folder
 run() {  # run NAME NPROC [--set ...]; CONFIG= picks another model (default: the reference)
   local name=$1 nproc=$2; shift 2

@@ -5,7 +5,8 @@
 Runs two warm-up steps, then profiles two with torch.profiler; prints the top kernels and
 operators by CUDA time (by CPU time on a machine without CUDA). ``--markdown`` also writes
 the top kernels as a markdown table (what ``bench_speed.py --profile`` writes). The pieces
-(``mtl_step``, ``profile_steps``, ``kernel_table``) serve bench_speed.py too."""
+(``mtl_step``, ``profile_steps``, ``kernel_table``) serve bench_speed.py too. ``--as-rank R/W``
+profiles one rank of a layout alone, its collectives moving nothing (``fake_group.py``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+from fake_group import AS_RANK_HELP, join_fake_group
 
 # Kernel name -> what it is, first match wins (for the per-category summary).
 CATEGORIES = [
@@ -198,7 +201,10 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--rows", type=int, default=40)
     parser.add_argument("--markdown", help="also write the top kernels (20) as markdown to this file")
+    parser.add_argument("--as-rank", default=None, metavar="R/W", help=AS_RANK_HELP)
     args = parser.parse_args()
+    if args.as_rank:
+        join_fake_group(args.as_rank)
     step, _ = mtl_step(args.config, args.overrides)
     prof = profile_steps(step, warmup=2, steps=2)
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"

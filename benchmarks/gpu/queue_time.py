@@ -12,7 +12,7 @@ shapes, e.g. ``--set model.seq_length=64 --set train.micro_batch_size=1``, the s
 the host's alone.) ``--cprofile`` lists the host's top Python functions over one more step.
 
 ``--as-rank R/W`` runs this one process as rank R of a W-process job whose collectives move
-nothing (torch's fake process group), e.g. ``--as-rank 0/2 --set parallel.tp=2 --set
+nothing (``fake_group.py``), e.g. ``--as-rank 0/2 --set parallel.tp=2 --set
 parallel.sequence_parallel=true``: the step time is then that rank's compute and host time
 alone, the floor its layout could reach with every transfer hidden. Against the layout's
 measured step on W GPUs, the difference is what the communication costs. The received data
@@ -32,17 +32,18 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from fake_group import AS_RANK_HELP, join_fake_group  # noqa: E402
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--set", dest="sets", action="append", default=[])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--cprofile", action="store_true", help="also the host's top functions over one more step")
-    parser.add_argument("--as-rank", default=None, metavar="R/W",
-                        help="run as rank R of W processes whose collectives move nothing")
+    parser.add_argument("--as-rank", default=None, metavar="R/W", help=AS_RANK_HELP)
     args = parser.parse_args()
     if args.as_rank:
-        _join_fake_group(args.as_rank)
+        join_fake_group(args.as_rank)
     from mtl.core.config_io import load_config
     from mtl.train.batches import MicroBatches
     from mtl.train.precision import LossScaler
@@ -85,22 +86,6 @@ def main() -> None:
     q, s = statistics.median(queued), statistics.median(total)
     print(f"{' '.join(args.sets) or 'reference'}: queueing {q * 1e3:.1f} ms of a {s * 1e3:.1f} ms step "
           f"({100 * q / s:.0f}%), loss {result.loss:.3f}")
-
-
-def _join_fake_group(spec: str) -> None:
-    """Initialise torch's fake process group (every collective returns at once, no data
-    moves) as rank R of W, before mtl's setup, which then builds its groups over it."""
-    import os
-
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    rank, _, world = spec.partition("/")
-    if not (rank.isdigit() and world.isdigit() and int(rank) < int(world)):
-        raise SystemExit(f"--as-rank {spec!r}: give R/W with 0 <= R < W, e.g. 0/2")
-    # what a launcher would set; this process drives the GPU of local rank 0
-    os.environ.update(RANK=rank, WORLD_SIZE=world, LOCAL_RANK="0")
-    dist.init_process_group("fake", store=FakeStore(), rank=int(rank), world_size=int(world))
 
 
 if __name__ == "__main__":
