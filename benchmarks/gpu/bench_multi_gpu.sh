@@ -39,8 +39,8 @@ if [ "$SHORT" = 1 ]; then
     run pp2 2 --set parallel.pp=2
     # interleaved: two chunks per stage halve the pipeline bubble (1/9 of the step at 8 micro-batches)
     run pp2_vpp2 2 --set parallel.pp=2 --set parallel.vpp=2
-    run cp2 2 --set parallel.cp=2
-    run cp2_allgather 2 --set parallel.cp=2 --set parallel.cp_comm_type=all_gather
+    run cp2 2 --set parallel.cp=2  # compiled at cp=2 the config picks k/v all-gathered
+    run cp2_ring 2 --set parallel.cp=2 --set parallel.cp_comm_type=p2p
   fi
 fi
 # cp at a sequence it is meant for: 8192 tokens, one sequence per micro-batch (the same 65,536
@@ -48,9 +48,9 @@ fi
 LONG_SET=(--set model.seq_length=8192 --set train.micro_batch_size=1 --set train.global_batch_size=8)
 if [ "$LONG" = 1 ]; then
   run long_gpu1 1 "${LONG_SET[@]}"
-  run long_cp2 2 "${LONG_SET[@]}" --set parallel.cp=2
-  # k/v all-gathered instead of passed around the ring: the attention compiles with its layer
-  run long_cp2_allgather 2 "${LONG_SET[@]}" --set parallel.cp=2 --set parallel.cp_comm_type=all_gather
+  run long_cp2 2 "${LONG_SET[@]}" --set parallel.cp=2  # k/v all-gathered: compiles with the layer
+  # the ring (point-to-point, overlapped, eager between the layer's graphs)
+  run long_cp2_ring 2 "${LONG_SET[@]}" --set parallel.cp=2 --set parallel.cp_comm_type=p2p
 fi
 # The MoE reference (issue 8) on one GPU and with its experts split over 2 GPUs (ep=2 = dp=2),
 # plus dp=2 over those at 4 GPUs; its own table, against its own one-GPU row.

@@ -5,7 +5,8 @@
 # peer, no pipeline bubble. Against the layout measured on 2 GPUs (bench_multi_gpu.sh), the
 # difference is what communication costs; against the one-GPU row, what splitting the work
 # costs by itself. Needs one GPU. Run from the repository root: bash benchmarks/gpu/ranks_alone.sh
-# ROWS picks rows (default all): gpu1 tp2_sp pp2 pp2_vpp2 cp2 long_gpu1 long_cp2 long_cp2_allgather.
+# ROWS picks rows (default all): gpu1 tp2_sp pp2 pp2_vpp2 cp2 long_gpu1 long_cp2 long_cp2_allgather
+# (the cp rows name their cp_comm_type: compiled at cp=2 the config's own choice is all_gather).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
@@ -27,9 +28,9 @@ for row in $ROWS; do
     pp2) alone pp2 0/2 --set parallel.pp=2; alone pp2 1/2 --set parallel.pp=2 ;;
     pp2_vpp2) alone pp2_vpp2 0/2 --set parallel.pp=2 --set parallel.vpp=2
               alone pp2_vpp2 1/2 --set parallel.pp=2 --set parallel.vpp=2 ;;
-    cp2) alone cp2 0/2 --set parallel.cp=2 ;;
+    cp2) alone cp2 0/2 --set parallel.cp=2 --set parallel.cp_comm_type=p2p ;;
     long_gpu1) alone long_gpu1 - "${LONG[@]}" ;;
-    long_cp2) alone long_cp2 0/2 "${LONG[@]}" --set parallel.cp=2 ;;
+    long_cp2) alone long_cp2 0/2 "${LONG[@]}" --set parallel.cp=2 --set parallel.cp_comm_type=p2p ;;
     long_cp2_allgather) alone long_cp2_allgather 0/2 "${LONG[@]}" --set parallel.cp=2 --set parallel.cp_comm_type=all_gather ;;
     *) echo "unknown row $row" >&2; exit 2 ;;
   esac

@@ -89,6 +89,23 @@ def test_overlap_param_gather_needs_distributed_optimizer():
     assert load_config(None, []).resolve(1, 257).parallel.overlap_param_gather is False
 
 
+@pytest.mark.parametrize("overrides, world, expected", [
+    (["parallel.cp=2", "train.compile=true"], 2, "all_gather"),  # compiles with the layer; same k/v held
+    (["parallel.cp=2", "train.compile=false"], 2, "p2p"),
+    (["parallel.cp=4", "train.compile=true"], 4, "p2p"),  # the ring holds 2 of 4 blocks, the gather all 4
+    (["parallel.cp=2", "train.compile=true", "parallel.cp_comm_type='p2p'"], 2, "p2p"),  # a choice is kept
+    ([], 1, "p2p"),
+])
+def test_cp_comm_type_derived_from_compile_and_cp(overrides, world, expected):
+    cfg = load_config(None, ["train.device='cpu'", "model.num_attention_heads=4", *overrides]).resolve(world, 257)
+    assert cfg.parallel.cp_comm_type == expected
+
+
+def test_cp_comm_type_choice_checked():
+    with pytest.raises(ConfigError, match=r"parallel.cp_comm_type = 'ring' is not one of p2p, all_gather"):
+        load_config(None, ["parallel.cp_comm_type='ring'"]).resolve(1, 257)
+
+
 def test_pipeline_split_with_first_and_last_stage():
     p = ParallelConfig(pp=4, first_stage_layers=1, last_stage_layers=3)
     assert pipeline_layer_split(12, p) == [1, 4, 4, 3]

@@ -95,7 +95,9 @@ class ParallelConfig:
     # ring with point-to-point sends overlapped with compute (it runs eagerly between a compiled
     # layer's graphs); "all_gather" gathers every rank's k/v at once (dK/dV reduce-scattered),
     # which compiles with the layer but holds the whole sequence's k/v on each rank.
-    cp_comm_type: str = "p2p"
+    # derived: "all_gather" at cp = 2 under train.compile (both keep the whole sequence's k/v
+    # there, and the ring's eager Python bounds the step: benchmarks/RESULTS.md), else "p2p"
+    cp_comm_type: str | None = None
     ep: int = 1
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
@@ -246,6 +248,8 @@ class RunConfig:
         for dotted, allowed in CHOICES.items():
             section, key = dotted.split(".")
             value = getattr(getattr(cfg, section), key)
+            if value is None and getattr(type(getattr(cfg, section))(), key) is None:
+                continue  # a derived key left unset: filled below
             if value not in allowed:
                 raise ConfigError(f"{dotted} = {value!r} is not one of {', '.join(allowed)}")
         for section in (m, p, t):
@@ -259,6 +263,7 @@ class RunConfig:
         compile_unset = t.compile is None
         _resolve_train(t, p)
         _check_backend(cfg, compile_unset)
+        _resolve_cp_comm_type(p, t)
         _check_cuda_graphs(m, p, t)
         cfg.resolved = True
         return cfg
@@ -463,6 +468,14 @@ def _resolve_moe(m: ModelConfig, p: ParallelConfig) -> None:
             raise ConfigError(f"model.moe_capacity_factor = {m.moe_capacity_factor} must not be negative")
         if m.moe_capacity_factor == 0:
             m.moe_capacity_factor = None  # 0 means dropless: one spelling of it downstream
+
+
+def _resolve_cp_comm_type(p: ParallelConfig, t: TrainConfig) -> None:
+    """After train.compile is final (a backend may turn it off). At cp = 2 the ring keeps its own
+    block and the one it received for the backward, the whole sequence's k/v, as the all-gather
+    does; above that the ring holds less, so it stays the default there."""
+    if p.cp_comm_type is None:
+        p.cp_comm_type = "all_gather" if t.compile and p.cp == 2 else "p2p"
 
 
 def _resolve_train(t: TrainConfig, p: ParallelConfig) -> None:

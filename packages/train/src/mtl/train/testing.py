@@ -31,7 +31,7 @@ LAYOUTS = {
     "pp2_vpp2": (2, ["parallel.pp=2", "parallel.vpp=2"]),
     "dp2": (2, []),
     "dp2_distopt": (2, ["parallel.distributed_optimizer=true"]),
-    "cp2": (2, ["parallel.cp=2"]),
+    "cp2": (2, ["parallel.cp=2", "parallel.cp_comm_type='p2p'"]),  # the ring (compiled, the default is all_gather)
     "cp2_allgather": (2, ["parallel.cp=2", "parallel.cp_comm_type='all_gather'"]),
     "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
     "tp2_dp2": (4, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
