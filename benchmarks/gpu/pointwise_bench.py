@@ -1,7 +1,7 @@
 """The memory-bound pieces of a layer in isolation, compiled, forward + backward, at the
 reference model's shapes: how close each formulation gets to the HBM bandwidth (issue 11).
 
-    python3 benchmarks/gpu/pointwise_bench.py [--tokens 8192] [--out FILE]
+    python3 benchmarks/gpu/pointwise_bench.py [--tokens 8192] [--cases NAME ...] [--inductor NAME=VALUE ...] [--out FILE]
 
 For each case: device time per call of its kernels (torch.profiler, mean of 20 calls) and
 the bytes it must move at least, as an effective bandwidth. Cases:
@@ -12,6 +12,9 @@ the bytes it must move at least, as an effective bandwidth. Cases:
   (what a split fc1 would give); backward writes ``dgate`` and ``dup`` separately;
 - ``rmsnorm-add``: ``residual + x`` then RMSNorm in fp32 (``F.rms_norm``), as mtl's layer;
 - ``rmsnorm-add-manual``: the same written as ``x * rsqrt(mean(x^2) + eps) * w``.
+
+``--inductor NAME=VALUE`` sets ``torch._inductor.config.NAME`` first (e.g. how it lowers a
+concatenation: ``max_pointwise_cat_inputs``), to measure a compiler setting on these pieces.
 """
 
 from __future__ import annotations
@@ -57,7 +60,18 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--ffn", type=int, default=5632)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--cases", nargs="+", default=None, help="only these cases")
+    parser.add_argument("--inductor", action="append", default=[], metavar="NAME=VALUE")
     args = parser.parse_args()
+    import ast
+
+    import torch._inductor.config as inductor_config
+
+    for item in args.inductor:
+        name, _, value = item.partition("=")
+        if not hasattr(inductor_config, name):
+            parser.error(f"--inductor {item}: torch._inductor.config has no {name!r}")
+        setattr(inductor_config, name, ast.literal_eval(value))
     t, h, f = args.tokens, args.hidden, args.ffn
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     cases = {}
@@ -89,10 +103,13 @@ def main() -> None:
         cases[name] = (call, norm_bytes)
 
     lines = [f"# Memory-bound pieces, compiled, forward + backward ({t} tokens, hidden {h}, ffn {f}); "
-             f"{torch.cuda.get_device_name()}, torch {torch.__version__}", "",
+             f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+             + (f"; inductor {', '.join(args.inductor)}" if args.inductor else ""), "",
              "| case | kernels ms/call | least bytes | effective TB/s |", "|---|---|---|---|"]
     detail = []
     for name, (fn, least) in cases.items():
+        if args.cases and name not in args.cases:
+            continue
         total, rows = kernel_ms(fn)
         lines.append(f"| {name} | {total:.4f} | {least / 1e6:.0f} MB | {least / total / 1e9:.2f} |")
         detail += [f"- {name}:"] + [f"  - {ms:.4f} ms `{k[:100]}`" for k, ms in rows[:8]]

@@ -103,9 +103,14 @@ def cuda_ms_per_call(fn: Callable[[], object], iters: int = 50, warmup: int = 5)
 def kernels_per_call(fn: Callable[[], object], calls: int = 20, warmup: int = 3) -> list[tuple[str, float, int]]:
     """(kernel, device ms per call, launches per call) of ``fn``, largest first: ``warmup``
     calls, then ``calls`` profiled ones (the small benchmarks' kernel tables)."""
+    from torch.autograd import DeviceType
+
     prof = profile_steps(fn, warmup=warmup, steps=calls)
+    # kernels only: the operator that launched a kernel (aten::add_, an inductor triton_* call)
+    # carries the same device time as its own row, and would count it twice in a sum
     rows = [(e.key, _device_time(e) / calls / 1e3, e.count // calls) for e in prof.key_averages()
-            if _device_time(e) > 0]
+            if getattr(e, "device_type", None) == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+            and _device_time(e) > 0]
     return sorted(rows, key=lambda r: -r[1])
 
 
