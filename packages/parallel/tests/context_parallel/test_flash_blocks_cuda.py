@@ -28,14 +28,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash
 B, S, D = 2, 128, 64
 
 
-def reference(q, k, v, dout, causal, scale):
+def reference(q, k, v, dout, causal, scale, seq: int = S):
     """float64 attention and its q/k/v gradients; k/v groups repeated to the query heads."""
     q, k, v = (t.double().requires_grad_() for t in (q, k, v))
     rep = q.size(2) // k.size(2)
     kk, vv = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
     if causal:
-        scores = scores.masked_fill(torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), vv)
     out.backward(dout.double())
     return out.detach(), q.grad, k.grad, v.grad
@@ -145,3 +145,22 @@ def test_attention_over_gathered_kv_equals_full_attention(cp, compiled):
     ref_out, *ref_grads = reference(q.detach(), k.detach(), v.detach(), dout, True, scale)
     for name, got, want in [("out", out, ref_out), *zip(("dq", "dk", "dv"), grads, ref_grads)]:
         torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=3e-2, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_all_gathered_kv_two_ranks_on_one_gpu(compiled):
+    """The user's path of ``cp_comm_type = "all_gather"`` end to end on the fused kernels: two
+    gloo ranks sharing this GPU, the gather started before the own block's pieces and waited on
+    after them, the reduce-scatter of the other blocks' dK/dV beside the own block's backward.
+    Equals float64 attention over the whole sequence to bf16 rounding."""
+    from mtl.parallel.testing import run_distributed
+
+    per_rank = run_distributed(cp_cases.fused_all_gather_worker, 2, (compiled,))
+    full = per_rank[0]
+    scale = full["full_q"].size(-1) ** -0.5
+    ref_out, *ref_grads = reference(*(full[f"full_{n}"].cuda() for n in ("q", "k", "v", "dout")), True, scale,
+                                    seq=full["full_q"].size(1))
+    for rank, got in enumerate(per_rank):
+        for name, want in [("out", ref_out), *zip(("dq", "dk", "dv"), ref_grads)]:
+            torch.testing.assert_close(got[name].double(), want.cpu(), atol=3e-2, rtol=3e-2,
+                                       msg=lambda m, where=(rank, name): f"rank, tensor = {where}: {m}")

@@ -26,16 +26,29 @@ def compile_units(model: nn.Module) -> list[nn.Module]:
     return list(units()) if callable(units) else [model]
 
 
-def compile_regions(chunks: list[nn.Module]) -> int:
+# inductor's scheduling passes for ``parallel.overlap_layer_comm``: start each collective as
+# soon as its input exists, wait for it only where its result is first read. (Its third built-in
+# pass, reorder_compute_for_overlap, moved every weight-gradient GEMM behind the layer's last
+# collective instead of beside the reduce-scatters: not used.)
+OVERLAP_LAYER_COMM = {
+    "reorder_for_compute_comm_overlap": True,
+    "reorder_for_compute_comm_overlap_passes": ["raise_comms", "sink_waits"],
+}
+
+
+def compile_regions(chunks: list[nn.Module], overlap_comm: bool = False) -> int:
     """Compile every unit of every model chunk in place; returns how many were compiled.
+    ``overlap_comm``: schedule the units' collectives beside their independent compute
+    (``OVERLAP_LAYER_COMM``, this compile's inductor options only).
 
     The first step pays the compilation (once per distinct layer shape: the units of a stack
     share one graph); later steps reuse it. Inductor caches compiled graphs on disk, so a
     restarted run compiles faster."""
+    options = dict(OVERLAP_LAYER_COMM) if overlap_comm else None
     count = 0
     for chunk in chunks:
         for unit in compile_units(chunk):
-            unit.compile(fullgraph=False, dynamic=False)
+            unit.compile(fullgraph=False, dynamic=False, options=options)
             count += 1
     log.info("train.compile: %d regions compiled with torch.compile (the first step includes compilation)", count)
     return count
