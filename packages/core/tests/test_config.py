@@ -101,17 +101,10 @@ def test_cp_comm_type_derived_from_compile_and_cp(overrides, world, expected):
     assert cfg.parallel.cp_comm_type == expected
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (["train.compile=true"], True),
-    (["train.compile=false"], False),
-    (["train.compile=true", "parallel.overlap_layer_comm=false"], False),
-])
-def test_overlap_layer_comm_follows_compile(overrides, expected):
-    cfg = load_config(None, ["train.device='cpu'", *overrides]).resolve(1, 257)
-    assert cfg.parallel.overlap_layer_comm is expected
-
-
-def test_overlap_layer_comm_without_compile_refused():
+def test_overlap_layer_comm_off_by_default_and_refused_without_compile():
+    assert load_config(None, ["train.compile=true"]).resolve(1, 257).parallel.overlap_layer_comm is False
+    cfg = load_config(None, ["train.compile=true", "parallel.overlap_layer_comm=true"]).resolve(1, 257)
+    assert cfg.parallel.overlap_layer_comm is True
     with pytest.raises(ConfigError, match=r"parallel.overlap_layer_comm = true needs train.compile = true"):
         load_config(None, ["train.compile=false", "parallel.overlap_layer_comm=true"]).resolve(1, 257)
 

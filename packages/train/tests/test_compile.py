@@ -43,23 +43,27 @@ def test_one_process_compiled_equals_eager_in_one_graph(eager_reference):
     compare_with_reference("compiled", [compiled], eager_reference)
 
 
-# Collectives inside the layer (tp + sp), overlapped parameter gathers and selective
-# recompute (dp + distributed optimizer), full recompute over interleaved pipeline chunks,
-# and context parallelism (the ring, and all-gathered k/v).
+# Collectives inside the layer (tp + sp, with and without inductor's reordering of them),
+# overlapped parameter gathers and selective recompute (dp + distributed optimizer), full
+# recompute over interleaved pipeline chunks, and context parallelism (the ring, and
+# all-gathered k/v with the gather beside the own block). name -> (layout, extra overrides)
 CASES = {
-    "tp2_sp": [],
-    "dp2_distopt": ["parallel.overlap_param_gather=true", "train.recompute=selective"],
-    "pp2_vpp2": ["train.recompute=full"],
-    "cp2": [],
-    "cp2_allgather": [],  # k/v all-gathered: the whole attention compiles with the layer
+    "tp2_sp": ("tp2_sp", []),
+    "tp2_sp_overlap": ("tp2_sp", ["parallel.overlap_layer_comm=true"]),
+    "dp2_distopt": ("dp2_distopt", ["parallel.overlap_param_gather=true", "train.recompute=selective"]),
+    "pp2_vpp2": ("pp2_vpp2", ["train.recompute=full"]),
+    "cp2": ("cp2", []),
+    # k/v all-gathered: the whole attention compiles with the layer
+    "cp2_allgather": ("cp2_allgather", ["parallel.overlap_layer_comm=true"]),
 }
 
 
-@pytest.mark.parametrize("layout", list(CASES))
-def test_compiled_layout_equals_eager_one_process(layout, eager_reference):
+@pytest.mark.parametrize("name", list(CASES))
+def test_compiled_layout_equals_eager_one_process(name, eager_reference):
+    layout, extra = CASES[name]
     world, overrides = LAYOUTS[layout]
-    results = run_distributed(_run_compiled, world, args=([*overrides, *CASES[layout]], has_full_grads(layout)))
-    compare_with_reference(f"{layout} compiled", results, eager_reference)
+    results = run_distributed(_run_compiled, world, args=([*overrides, *extra], has_full_grads(layout)))
+    compare_with_reference(f"{name} compiled", results, eager_reference)
     for rank, result in enumerate(results):
         breaks = result["graph_breaks"]
         if layout == "cp2":  # the ring runs eagerly by design (torch.compiler.disable)

@@ -2,12 +2,14 @@
 compute that does not need it and waits only after that compute, so the transfer can run beside
 it. Read from the code inductor generates for the tiny model's layer (one process as rank 0 of
 two over torch's fake process group, which takes the collectives NCCL would, reduce-scatter
-included, and moves no data; on the CPU, and on a GPU where there is one): with the key on, a sequence-parallel reduce-scatter in the
-backward has weight-gradient GEMMs between its start and its wait, and the all-gather of cp k/v
-has the own block's attention there; with the key off, neither has anything.
+included, and moves no data; on the CPU, and on a GPU where there is one): with the key on, a
+sequence-parallel reduce-scatter in the backward has weight-gradient GEMMs between its start
+and its wait, and the all-gather of cp k/v has the own block's attention there; with the key
+off, neither has anything.
 
-The losses are bitwise equal either way (only the order of the same kernels changes); the
-layouts' equality with one process is test_compile.py's and test_parallel_equivalence.py's."""
+The numbers are not compared here: the fake group's collectives leave their outputs
+uninitialised. test_compile.py runs tp=2+sp and cp=2 with all-gathered k/v compiled with the
+key on, over gloo, against eager one-process runs."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import pytest
 import torch
 
 SCRIPT = textwrap.dedent("""
-    import json, os, sys
+    import os, sys
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     os.environ.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0")
@@ -29,9 +31,8 @@ SCRIPT = textwrap.dedent("""
     if sys.argv[1] == "cuda":
         import torch
         torch.cuda.set_device(0)
-    result = run_tiny(sys.argv[2:] + [f"train.device='{sys.argv[1]}'", "train.compile=true", "model.num_layers=1",
-                                      "train.iters=2"], False)
-    print("LOSSES", json.dumps(result["losses"]))
+    run_tiny(sys.argv[2:] + [f"train.device='{sys.argv[1]}'", "train.compile=true", "model.num_layers=1",
+                             "train.iters=2"], False)
 """)
 
 LAYOUTS = {
@@ -43,16 +44,14 @@ OVERLAPS = {"tp2_sp": ("reduce_scatter_tensor", r"extern_kernels\.mm\("),
             "cp2_allgather": ("all_gather_into_tensor", r"extern_kernels\.bmm\(")}
 
 
-def _run(layout: str, overlap: bool, device: str) -> tuple[list[str], dict]:
-    """The generated code's lines (inductor's output_code log) and the losses."""
+def _run(layout: str, overlap: bool, device: str) -> list[str]:
+    """The generated code's lines (inductor's output_code log)."""
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, device, *LAYOUTS[layout], f"parallel.overlap_layer_comm={str(overlap).lower()}"],
         capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "TORCH_LOGS": "output_code"},
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    losses = re.search(r"^LOSSES (.*)$", proc.stdout, re.M).group(1)
-    code = [line.split("[__output_code]", 1)[1] for line in proc.stderr.splitlines() if "[__output_code]" in line]
-    return code, losses
+    return [line.split("[__output_code]", 1)[1] for line in proc.stderr.splitlines() if "[__output_code]" in line]
 
 
 def _work_between_start_and_wait(code: list[str], collective: str, work: str) -> list[int]:
@@ -79,11 +78,10 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_collectives_start_before_and_wait_after_independent_compute(layout, device):
     collective, work = OVERLAPS[layout]
-    code_on, losses_on = _run(layout, True, device)
-    code_off, losses_off = _run(layout, False, device)
+    code_on = _run(layout, True, device)
+    code_off = _run(layout, False, device)
     on = _work_between_start_and_wait(code_on, collective, work)
     off = _work_between_start_and_wait(code_off, collective, work)
     assert on and off, f"no {collective} in the generated code"
     assert any(on), f"overlap on: nothing runs beside any {collective} ({on})"
     assert not any(off), f"overlap off: expected each {collective} waited at once ({off})"
-    assert losses_on == losses_off

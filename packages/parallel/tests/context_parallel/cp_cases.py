@@ -170,23 +170,3 @@ def nccl_rank(rank: int, world_size: int, port: int, out_dir: str, layouts: list
     finally:
         dist.destroy_process_group()
 
-
-def fused_all_gather_worker(compiled: bool, seq: int = 256, head_dim: int = 64, device: str = "cuda") -> dict[str, torch.Tensor]:
-    """One cp=2 rank of ``cp_comm_type = "all_gather"`` on the fused kernels, bf16, with both
-    ranks on one GPU over gloo (NCCL needs a GPU per rank): the collectives are the user's path
-    (started, then waited on after the own block), only the transport differs. Returns the
-    output and q/k/v gradients gathered to sequence order, on the CPU."""
-    topology = Topology.build(cp=2, cp_comm_type="all_gather")
-    gen = torch.Generator().manual_seed(5)
-    shapes = {"q": (BATCH, seq, 4, head_dim), "k": (BATCH, seq, 2, head_dim), "v": (BATCH, seq, 2, head_dim),
-              "dout": (BATCH, seq, 4, head_dim)}
-    full = {n: torch.randn(s, generator=gen).to(device=device, dtype=torch.bfloat16) for n, s in shapes.items()}
-    q, k, v = (split_for_context_parallel(full[n], 1, topology).requires_grad_() for n in ("q", "k", "v"))
-    attend = context_parallel_attention
-    if compiled:
-        attend = torch.compile(context_parallel_attention, fullgraph=True, dynamic=False)
-    out = attend(q, k, v, topology=topology, causal=True)
-    out.backward(split_for_context_parallel(full["dout"], 1, topology))
-    results = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
-    return {**{n: gather_from_context_parallel(t, 1, topology).cpu() for n, t in results.items()},
-            **{f"full_{n}": t.cpu() for n, t in full.items()}}

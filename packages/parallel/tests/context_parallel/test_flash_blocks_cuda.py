@@ -147,20 +147,75 @@ def test_attention_over_gathered_kv_equals_full_attention(cp, compiled):
         torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=3e-2, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_all_gathered_kv_two_ranks_on_one_gpu(compiled):
-    """The user's path of ``cp_comm_type = "all_gather"`` end to end on the fused kernels: two
-    gloo ranks sharing this GPU, the gather started before the own block's pieces and waited on
-    after them, the reduce-scatter of the other blocks' dK/dV beside the own block's backward.
-    Equals float64 attention over the whole sequence to bf16 rounding."""
-    from mtl.parallel.testing import run_distributed
 
-    per_rank = run_distributed(cp_cases.fused_all_gather_worker, 2, (compiled,))
-    full = per_rank[0]
-    scale = full["full_q"].size(-1) ** -0.5
-    ref_out, *ref_grads = reference(*(full[f"full_{n}"].cuda() for n in ("q", "k", "v", "dout")), True, scale,
-                                    seq=full["full_q"].size(1))
-    for rank, got in enumerate(per_rank):
-        for name, want in [("out", ref_out), *zip(("dq", "dk", "dv"), ref_grads)]:
-            torch.testing.assert_close(got[name].double(), want.cpu(), atol=3e-2, rtol=3e-2,
-                                       msg=lambda m, where=(rank, name): f"rank, tensor = {where}: {m}")
+class LoopbackCollectives:
+    """``CpCollectives`` for one simulated rank of cp on one GPU: the gather returns the whole
+    sequence's k/v (known in advance), the reduce-scatter keeps what it was given (this rank's
+    slot of it) and remembers it, so the test can add the other ranks' shares of each slot."""
+
+    def __init__(self, size: int, rank: int, gathered: torch.Tensor):
+        self.size, self.rank, self.gathered, self.sent = size, rank, gathered, None
+
+    def start_gather(self, local):
+        return self.gathered
+
+    def finish_gather(self, pending):
+        return pending
+
+    def start_reduce_scatter(self, full):
+        self.sent = full
+        return full.chunk(self.size)[self.rank]
+
+    def finish_reduce_scatter(self, pending):
+        return pending
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_all_gather_attention_with_own_block_first_equals_full_attention(cp):
+    """``AllGatherAttention`` (the user's path of ``cp_comm_type = "all_gather"``) on the fused
+    kernels, every rank simulated on one GPU: the own block's pieces from the local k/v before
+    the gather is waited on; the other blocks' dK/dV reduce-scattered and the own block's added
+    after. The reduce-scatter's sum over ranks is the test's (each simulated rank's collectives
+    keep their own slot); everything else is the function's. Eager only: the loopback's record
+    of what it was sent is a side effect dynamo refuses inside an autograd.Function (the compiled
+    pieces are ``attention_over_gathered``'s test above; the compiled collectives, gloo's
+    test_compile cp2_allgather)."""
+    from mtl.parallel.context_parallel import split_for_context_parallel
+    from mtl.parallel.context_parallel.all_gather_attention import AllGatherAttention
+    from mtl.parallel.topology import Topology
+
+    torch.manual_seed(3)
+    heads, groups, scale = 4, 2, D**-0.5
+    q = torch.randn(B, S, heads, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(B, S, groups, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    dout = torch.randn(B, S, heads, D, device="cuda", dtype=torch.bfloat16)
+    kernel = fused_kernel(q.device, q.dtype, D)
+    ranks = [Topology(cp=cp, rank=r) for r in range(cp)]
+    local = [torch.stack([split_for_context_parallel(t.detach(), 1, topo) for t in (k, v)], dim=1)
+             .transpose(0, 2).contiguous().requires_grad_() for topo in ranks]  # [s_local, 2, b, groups, d]
+    gathered = torch.cat([t.detach() for t in local], dim=0)
+    comms = [LoopbackCollectives(cp, r, gathered) for r in range(cp)]
+    attend = AllGatherAttention.apply
+    q_local = [split_for_context_parallel(q.detach(), 1, topo).requires_grad_() for topo in ranks]
+    outs = [attend(q_local[r], local[r], comms[r], True, scale, kernel) for r in range(cp)]
+    for r, topo in enumerate(ranks):
+        outs[r].backward(split_for_context_parallel(dout, 1, topo))
+    s_local = S // cp
+    for r in range(cp):  # the reduce-scatter's sum: the other ranks' dK/dV for rank r's keys
+        for j in range(cp):
+            if j != r:
+                local[r].grad += comms[j].sent[r * s_local:(r + 1) * s_local]
+    c = S // (2 * cp)
+    out, dq = torch.empty_like(q), torch.empty_like(q)
+    dkv = torch.empty(B, S, 2, groups, D, device="cuda", dtype=torch.bfloat16)
+    for r in range(cp):  # back to sequence order: rank r holds chunks r and 2cp-1-r
+        first, second = slice(r * c, (r + 1) * c), slice((2 * cp - 1 - r) * c, (2 * cp - r) * c)
+        for full, part in ((out, outs[r].detach()), (dq, q_local[r].grad)):
+            full[:, first], full[:, second] = part[:, :c], part[:, c:]
+        grad = local[r].grad.permute(2, 0, 1, 3, 4)  # [b, s_local, 2, groups, d]
+        dkv[:, first], dkv[:, second] = grad[:, :c], grad[:, c:]
+    ref_out, *ref_grads = reference(q.detach(), k.detach(), v.detach(), dout, True, scale)
+    got = [("out", out, ref_out), ("dq", dq, ref_grads[0]), ("dk", dkv[:, :, 0], ref_grads[1]),
+           ("dv", dkv[:, :, 1], ref_grads[2])]
+    for name, value, want in got:
+        torch.testing.assert_close(value.double(), want, atol=3e-2, rtol=3e-2, msg=lambda m, n=name: f"{n}: {m}")

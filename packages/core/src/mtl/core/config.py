@@ -102,12 +102,14 @@ class ParallelConfig:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = True
-    # Under train.compile: inductor issues each layer's collectives (sequence parallelism's
+    # Needs train.compile: inductor issues each layer's collectives (sequence parallelism's
     # all-gathers and reduce-scatters, all-gathered cp k/v) as early as their inputs allow and
     # waits on them as late as their results allow, so they run beside the layer's independent
     # compute (the backward's weight-gradient GEMMs, the own k/v block's attention). The same
-    # kernels compute the same numbers; only their order changes. derived: = train.compile
-    overlap_layer_comm: bool | None = None
+    # kernels compute the same numbers; only their order changes. Off by default: on one H100 a
+    # tp=2 rank's step alone (no transfers) took 15-37% longer with inductor's reordering on
+    # (benchmarks/RESULTS.md); what it hides on 2 GPUs is not measured yet.
+    overlap_layer_comm: bool = False
     # Distributed optimizer only: all-gather updated parameters asynchronously after the step
     # and wait per bucket just before the next forward uses them (Megatron's --overlap-param-gather).
     overlap_param_gather: bool = False
@@ -270,7 +272,7 @@ class RunConfig:
         _resolve_train(t, p)
         _check_backend(cfg, compile_unset)
         _resolve_cp_comm_type(p, t)
-        _resolve_overlap_layer_comm(p, t)
+        _check_overlap_layer_comm(p, t)
         _check_cuda_graphs(m, p, t)
         cfg.resolved = True
         return cfg
@@ -477,11 +479,9 @@ def _resolve_moe(m: ModelConfig, p: ParallelConfig) -> None:
             m.moe_capacity_factor = None  # 0 means dropless: one spelling of it downstream
 
 
-def _resolve_overlap_layer_comm(p: ParallelConfig, t: TrainConfig) -> None:
+def _check_overlap_layer_comm(p: ParallelConfig, t: TrainConfig) -> None:
     """After train.compile is final: the overlap is a scheduling choice of inductor's."""
-    if p.overlap_layer_comm is None:
-        p.overlap_layer_comm = bool(t.compile)
-    elif p.overlap_layer_comm and not t.compile:
+    if p.overlap_layer_comm and not t.compile:
         raise ConfigError(
             "parallel.overlap_layer_comm = true needs train.compile = true (inductor schedules the layer's "
             "collectives); set train.compile = true, or parallel.overlap_layer_comm = false"

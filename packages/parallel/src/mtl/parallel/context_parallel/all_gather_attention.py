@@ -14,8 +14,9 @@ Overlap: the own block's pieces need only this rank's k/v, so the forward starts
 computes them from the local k/v, and only then waits; the backward computes the other blocks'
 pieces first, starts the reduce-scatter of their dK/dV, computes the own block's, and adds its
 dK/dV to what the reduce-scatter returns. The collectives are torch's functional ops, started
-and waited on apart: asynchronous on NCCL in eager mode, and in a compiled layer the wait stays
-where it is written, after the own block's kernels.
+and waited on apart: asynchronous on NCCL in eager mode. In a compiled layer inductor decides
+the order itself: by default it starts the gather after the own block's kernels (nothing
+overlaps); with ``parallel.overlap_layer_comm`` its reordering passes keep the order written.
 
 The gathered k/v stay in rank order: rank ``j``'s block is its two chunks, ``j`` and
 ``2cp-1-j``. Rank ``r`` computes the same block pairs the ring computes
