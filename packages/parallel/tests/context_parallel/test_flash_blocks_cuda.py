@@ -41,6 +41,14 @@ def reference(q, k, v, dout, causal, scale, seq: int = S):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def _gqa_inputs(seed: int, heads: int = 4, groups: int = 2):
+    """bf16 q ``[B, S, heads, D]`` and k, v ``[B, S, groups, D]`` (requiring grad), and an output gradient."""
+    torch.manual_seed(seed)
+    q = torch.randn(B, S, heads, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(B, S, groups, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    return q, k, v, torch.randn(B, S, heads, D, device="cuda", dtype=torch.bfloat16)
+
+
 def kernels():
     """Each kernel the ring may run on this GPU (cuDNN's on Hopper, FlashAttention-2 from sm80),
     as SDPA's switches allow."""
@@ -118,11 +126,8 @@ def test_attention_over_gathered_kv_equals_full_attention(cp, compiled):
     from mtl.parallel.context_parallel.all_gather_attention import attention_over_gathered
     from mtl.parallel.topology import Topology
 
-    torch.manual_seed(2)
-    heads, groups, scale = 4, 2, D**-0.5
-    q = torch.randn(B, S, heads, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(B, S, groups, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    dout = torch.randn(B, S, heads, D, device="cuda", dtype=torch.bfloat16)
+    q, k, v, dout = _gqa_inputs(seed=2)
+    scale = D**-0.5
     kernel = fused_kernel(q.device, q.dtype, D)
     assert kernel in ("cudnn", "flash")
     ranks = [Topology(cp=cp, rank=r) for r in range(cp)]
@@ -184,11 +189,8 @@ def test_all_gather_attention_with_own_block_first_equals_full_attention(cp):
     from mtl.parallel.context_parallel.all_gather_attention import AllGatherAttention
     from mtl.parallel.topology import Topology
 
-    torch.manual_seed(3)
-    heads, groups, scale = 4, 2, D**-0.5
-    q = torch.randn(B, S, heads, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(B, S, groups, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    dout = torch.randn(B, S, heads, D, device="cuda", dtype=torch.bfloat16)
+    q, k, v, dout = _gqa_inputs(seed=3)
+    groups, scale = k.size(2), D**-0.5
     kernel = fused_kernel(q.device, q.dtype, D)
     ranks = [Topology(cp=cp, rank=r) for r in range(cp)]
     local = [torch.stack([split_for_context_parallel(t.detach(), 1, topo) for t in (k, v)], dim=1)
