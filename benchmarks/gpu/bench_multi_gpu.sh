@@ -36,6 +36,9 @@ if [ "$SHORT" = 1 ]; then
   else
     run dp2 2
     run tp2_sp 2 --set parallel.tp=2 --set parallel.sequence_parallel=true
+    # inductor's reordering: each backward reduce-scatter beside the weight-gradient GEMMs (costs
+    # a rank alone 15-37% on one H100: does the hidden transfer pay for it?)
+    run tp2_sp_overlap 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set parallel.overlap_layer_comm=true
     run pp2 2 --set parallel.pp=2
     # interleaved: two chunks per stage halve the pipeline bubble (1/9 of the step at 8 micro-batches)
     run pp2_vpp2 2 --set parallel.pp=2 --set parallel.vpp=2
@@ -49,6 +52,8 @@ LONG_SET=(--set model.seq_length=8192 --set train.micro_batch_size=1 --set train
 if [ "$LONG" = 1 ]; then
   run long_gpu1 1 "${LONG_SET[@]}"
   run long_cp2 2 "${LONG_SET[@]}" --set parallel.cp=2  # k/v all-gathered: compiles with the layer
+  # the gather beside the own block's attention
+  run long_cp2_overlap 2 "${LONG_SET[@]}" --set parallel.cp=2 --set parallel.overlap_layer_comm=true
   # the ring (point-to-point, overlapped, eager between the layer's graphs)
   run long_cp2_ring 2 "${LONG_SET[@]}" --set parallel.cp=2 --set parallel.cp_comm_type=p2p
 fi
