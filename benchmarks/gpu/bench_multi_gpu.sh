@@ -36,9 +36,6 @@ if [ "$SHORT" = 1 ]; then
   else
     run dp2 2
     run tp2_sp 2 --set parallel.tp=2 --set parallel.sequence_parallel=true
-    # inductor's reordering: each backward reduce-scatter beside the weight-gradient GEMMs (costs
-    # a rank alone 15-37% on one H100: does the hidden transfer pay for it?)
-    run tp2_sp_overlap 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set parallel.overlap_layer_comm=true
     run pp2 2 --set parallel.pp=2
     # interleaved: two chunks per stage halve the pipeline bubble (1/9 of the step at 8 micro-batches)
     run pp2_vpp2 2 --set parallel.pp=2 --set parallel.vpp=2

@@ -43,13 +43,12 @@ def test_one_process_compiled_equals_eager_in_one_graph(eager_reference):
     compare_with_reference("compiled", [compiled], eager_reference)
 
 
-# Collectives inside the layer (tp + sp, with and without inductor's reordering of them),
-# overlapped parameter gathers and selective recompute (dp + distributed optimizer), full
-# recompute over interleaved pipeline chunks, and context parallelism (the ring, and
-# all-gathered k/v with the gather beside the own block). name -> (layout, extra overrides)
+# Collectives inside the layer (tp + sp), overlapped parameter gathers and selective recompute
+# (dp + distributed optimizer), full recompute over interleaved pipeline chunks, and context
+# parallelism (the ring, and all-gathered k/v with the gather beside the own block).
+# name -> (layout, extra overrides)
 CASES = {
     "tp2_sp": ("tp2_sp", []),
-    "tp2_sp_overlap": ("tp2_sp", ["parallel.overlap_layer_comm=true"]),
     "dp2_distopt": ("dp2_distopt", ["parallel.overlap_param_gather=true", "train.recompute=selective"]),
     "pp2_vpp2": ("pp2_vpp2", ["train.recompute=full"]),
     "cp2": ("cp2", []),

@@ -102,13 +102,10 @@ class ParallelConfig:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = True
-    # Needs train.compile: inductor issues each layer's collectives (sequence parallelism's
-    # all-gathers and reduce-scatters, all-gathered cp k/v) as early as their inputs allow and
-    # waits on them as late as their results allow, so they run beside the layer's independent
-    # compute (the backward's weight-gradient GEMMs, the own k/v block's attention). The same
-    # kernels compute the same numbers; only their order changes. Off by default: on one H100 a
-    # tp=2 rank's step alone (no transfers) took 15-37% longer with inductor's reordering on
-    # (benchmarks/RESULTS.md); what it hides on 2 GPUs is not measured yet.
+    # Needs train.compile: inductor keeps the order in which a layer's code starts and waits on
+    # its collectives instead of moving each start next to its wait (to lower peak memory), so
+    # the all-gathered cp k/v travel while the own block's attention runs. The same kernels
+    # compute the same numbers. Off by default until measured on 2 GPUs (with peak memory).
     overlap_layer_comm: bool = False
     # Distributed optimizer only: all-gather updated parameters asynchronously after the step
     # and wait per bucket just before the next forward uses them (Megatron's --overlap-param-gather).

@@ -26,19 +26,19 @@ def compile_units(model: nn.Module) -> list[nn.Module]:
     return list(units()) if callable(units) else [model]
 
 
-# inductor's scheduling passes for ``parallel.overlap_layer_comm``: start each collective as
-# soon as its input exists, wait for it only where its result is first read. (Its third built-in
-# pass, reorder_compute_for_overlap, moved every weight-gradient GEMM behind the layer's last
-# collective instead of beside the reduce-scatters: not used.)
-OVERLAP_LAYER_COMM = {
-    "reorder_for_compute_comm_overlap": True,
-    "reorder_for_compute_comm_overlap_passes": ["raise_comms", "sink_waits"],
-}
+# ``parallel.overlap_layer_comm``: keep the order in which a layer's code starts its collectives
+# and waits on them. By default inductor reorders the scheduled nodes to lower peak memory, which
+# moves each collective's start next to its wait (a collective allocates its output), so nothing
+# runs beside it. Without that pass the all-gathered cp attention's gather stays before the own
+# block's pieces, as written. (Inductor's raise_comms + sink_waits passes also give that order,
+# and start tp's backward reduce-scatters before the weight-gradient GEMMs, but cost a tp=2 rank
+# 15-37% more compute on one H100: benchmarks/RESULTS.md.)
+OVERLAP_LAYER_COMM = {"reorder_for_peak_memory": False}
 
 
 def compile_regions(chunks: list[nn.Module], overlap_comm: bool = False) -> int:
     """Compile every unit of every model chunk in place; returns how many were compiled.
-    ``overlap_comm``: schedule the units' collectives beside their independent compute
+    ``overlap_comm``: keep the units' collectives where their code starts and waits on them
     (``OVERLAP_LAYER_COMM``, this compile's inductor options only).
 
     The first step pays the compilation (once per distinct layer shape: the units of a stack
