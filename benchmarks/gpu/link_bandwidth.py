@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 2 benchmarks/gpu/link_bandwidth.py
 
 Per collective, on the reference model's tensors (bf16): the all-gather and reduce-scatter of
-sequence parallelism (a ``[2048, 4, 2048]`` activation, 33.5 MB gathered), the k/v exchange of
+sequence parallelism (a ``[2048, 4, 2048]`` activation, 32 MiB gathered), the k/v exchange of
 context parallelism at sequence 8192, and a data-parallel gradient all-reduce (256 MB of fp32),
 each timed over back-to-back calls with CUDA events. Prints the time per call and the bus
 bandwidth in nccl-tests' convention (what each GPU's link carries, so the figures compare
@@ -76,11 +76,11 @@ def main() -> None:
                 work.wait()
 
         size = block.numel() * 2
-        rows.append(("send+recv both ways, CP ring block (seq 4096 k)", size, _time_ms(exchange), size))
+        rows.append(("send+recv both ways, CP ring block (k and v of 4096 tokens)", size, _time_ms(exchange), size))
     if rank == 0:
         print(f"{world} GPUs ({torch.cuda.get_device_name(device)}), torch {torch.__version__}, "
               f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
-        print("| collective | MB | ms per call | bus GB/s |")
+        print("| collective | MiB | ms per call | bus GB/s |")
         print("|---|---|---|---|")
         for name, size, ms, bus_bytes in rows:
             print(f"| {name} | {size / MB:.1f} | {ms:.3f} | {bus_bytes / ms / 1e6:.1f} |")

@@ -58,7 +58,8 @@ def own_and_other_pieces(cp: int, cp_rank: int, s_local: int, causal: bool,
     rank-order k/v, each rank's block ``s_local`` keys). The own pieces cover every query row,
     in row order (one piece, or three on the einsum path), so the others only merge."""
     block, chunk = s_local, s_local // 2
-    own = [(rows, keys, mask_offset == 0) for rows, keys, mask_offset in _block_plan(cp_rank, cp_rank, chunk, causal, fused)]
+    own = [(rows, keys, mask_offset == 0)
+           for rows, keys, mask_offset in _block_plan(cp_rank, cp_rank, chunk, causal, fused)]
     others = []
     for kv_rank in (j for j in range(cp) if j != cp_rank):
         for rows, keys, mask_offset in _block_plan(cp_rank, kv_rank, chunk, causal, fused):
@@ -73,8 +74,8 @@ def pieces(cp: int, cp_rank: int, s_local: int, causal: bool, fused: bool) -> li
     every rank computes (``attention_over_gathered``)."""
     own, others = own_and_other_pieces(cp, cp_rank, s_local, causal, fused)
     offset = cp_rank * s_local
-    moved = [(rows, slice(offset + (keys.start or 0), offset + (s_local if keys.stop is None else keys.stop)), causal)
-             for rows, keys, causal in own]
+    moved = [(rows, slice(offset + (keys.start or 0), offset + (s_local if keys.stop is None else keys.stop)), masked)
+             for rows, keys, masked in own]
     return moved + others
 
 
