@@ -49,6 +49,7 @@ def test_one_process_compiled_equals_eager_in_one_graph(eager_reference):
 # name -> (layout, extra overrides)
 CASES = {
     "tp2_sp": ("tp2_sp", []),
+    "tp2_sp_overlap": ("tp2_sp", ["parallel.overlap_layer_comm=true"]),
     "dp2_distopt": ("dp2_distopt", ["parallel.overlap_param_gather=true", "train.recompute=selective"]),
     "pp2_vpp2": ("pp2_vpp2", ["train.recompute=full"]),
     "cp2": ("cp2", []),

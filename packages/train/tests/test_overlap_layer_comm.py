@@ -1,13 +1,15 @@
-"""``parallel.overlap_layer_comm``: in a compiled layer, the all-gather of cp k/v starts before
-the own block's attention (which reads only local k/v) and is waited on after it, as the code
-writes it, so the transfer can run beside that compute. Read from the code inductor generates
-for the tiny model's layer (one process as rank 0 of two over torch's fake process group, which
-takes the collectives NCCL would and moves no data; on the CPU, and on a GPU where there is
-one). Without the key, inductor's peak-memory ordering moves the gather's start to its wait.
+"""``parallel.overlap_layer_comm``: in a compiled layer, collectives start before compute that
+does not need them and are waited on after it, as the code writes them, so the transfer can
+run beside that compute: sequence parallelism's backward reduce-scatter beside the weight-
+gradient GEMM (``gathered_linear``), the all-gather of cp k/v beside the own block's attention.
+Read from the code inductor generates for the tiny model's layer (one process as rank 0 of two
+over torch's fake process group, which takes the collectives NCCL would and moves no data; on
+the CPU, and on a GPU where there is one). Without the key, inductor's peak-memory ordering
+moves each start to its wait.
 
 The numbers are not compared here: the fake group's collectives leave their outputs
-uninitialised. test_compile.py runs cp=2 with all-gathered k/v compiled with the key on, over
-gloo, against an eager one-process run."""
+uninitialised. test_compile.py runs tp=2 + sp and cp=2 with all-gathered k/v compiled with the
+key on, over gloo, against an eager one-process run."""
 
 from __future__ import annotations
 
@@ -33,9 +35,15 @@ SCRIPT = textwrap.dedent("""
                              "train.iters=2"], False)
 """)
 
-LAYOUTS = {"cp2_allgather": ["parallel.cp=2", "parallel.cp_comm_type='all_gather'"]}
-# (collective, compute that may run beside it) in inductor's generated code
-OVERLAPS = {"cp2_allgather": ("all_gather_into_tensor", r"extern_kernels\.bmm\(")}
+LAYOUTS = {
+    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "cp2_allgather": ["parallel.cp=2", "parallel.cp_comm_type='all_gather'"],
+}
+# (collective, compute that may run beside it) in inductor's generated code: the backward's
+# weight-gradient GEMM beside sequence parallelism's reduce-scatter, the own block's attention
+# beside the cp gather
+OVERLAPS = {"tp2_sp": ("reduce_scatter_tensor", r"extern_kernels\.mm\("),
+            "cp2_allgather": ("all_gather_into_tensor", r"extern_kernels\.bmm\(")}
 
 
 def _run(layout: str, overlap: bool, device: str) -> list[str]:

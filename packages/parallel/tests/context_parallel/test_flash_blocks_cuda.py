@@ -154,7 +154,7 @@ def test_attention_over_gathered_kv_equals_full_attention(cp, compiled):
 
 
 class LoopbackCollectives:
-    """``CpCollectives`` for one simulated rank of cp on one GPU: the gather returns the whole
+    """``StartedCollectives`` for one simulated rank of cp on one GPU: the gather returns the whole
     sequence's k/v (known in advance), the reduce-scatter keeps what it was given (this rank's
     slot of it) and remembers it, so the test can add the other ranks' shares of each slot."""
 

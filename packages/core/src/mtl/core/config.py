@@ -104,6 +104,7 @@ class ParallelConfig:
     overlap_grad_reduce: bool = True
     # Needs train.compile: inductor keeps the order in which a layer's code starts and waits on
     # its collectives instead of moving each start next to its wait (to lower peak memory), so
+    # sequence parallelism's backward reduce-scatter runs beside the weight-gradient GEMM and
     # the all-gathered cp k/v travel while the own block's attention runs. The same kernels
     # compute the same numbers. Off by default until measured on 2 GPUs (with peak memory).
     overlap_layer_comm: bool = False

@@ -29,10 +29,10 @@ def compile_units(model: nn.Module) -> list[nn.Module]:
 # ``parallel.overlap_layer_comm``: keep the order in which a layer's code starts its collectives
 # and waits on them. By default inductor reorders the scheduled nodes to lower peak memory, which
 # moves each collective's start next to its wait (a collective allocates its output), so nothing
-# runs beside it. Without that pass the all-gathered cp attention's gather stays before the own
-# block's pieces, as written. (Inductor's raise_comms + sink_waits passes also give that order,
-# and start tp's backward reduce-scatters before the weight-gradient GEMMs, but cost a tp=2 rank
-# 15-37% more compute on one H100: benchmarks/RESULTS.md.)
+# runs beside it. Without that pass the written order stands: the sequence-parallel backward's
+# reduce-scatter before the weight-gradient GEMM (``gathered_linear``), the all-gathered cp
+# attention's gather before the own block's pieces. (Inductor's raise_comms + sink_waits passes
+# also reorder, but cost a tp=2 rank 15-37% more compute on one H100: benchmarks/RESULTS.md.)
 OVERLAP_LAYER_COMM = {"reorder_for_peak_memory": False}
 
 

@@ -33,7 +33,6 @@ over the ranks.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from mtl.parallel.context_parallel.block_attention import (
@@ -44,8 +43,7 @@ from mtl.parallel.context_parallel.block_attention import (
 )
 from mtl.parallel.context_parallel.flash_blocks import flash_block_backward, flash_block_forward
 from mtl.parallel.context_parallel.ring_attention import _block_plan
-
-_functional = torch.ops._c10d_functional
+from mtl.parallel.tensor_parallel.collectives import StartedCollectives
 
 # A piece: (query rows of the local sequence, key rows of a k/v tensor, causal)
 Piece = tuple[slice, slice, bool]
@@ -173,40 +171,13 @@ def attention_over_gathered(q: torch.Tensor, gathered: torch.Tensor, cp: int, cp
     return GatheredKVAttention.apply(q, kv, plan, scale, kernel)
 
 
-class CpCollectives:
-    """The cp group's all-gather and reduce-scatter, each started and waited on apart (torch's
-    functional collectives: traceable, so a compiled layer keeps them in its graph). gloo has
-    no reduce-scatter: there it sums everything and keeps this rank's share (more traffic,
-    same result)."""
-
-    def __init__(self, group) -> None:
-        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.name = group.group_name
-        self.sum_by_all_reduce = dist.get_backend(group) == "gloo"
-
-    def start_gather(self, local: torch.Tensor) -> torch.Tensor:
-        return _functional.all_gather_into_tensor(local, self.size, self.name)
-
-    def start_reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
-        if self.sum_by_all_reduce:
-            return _functional.all_reduce(full, "sum", self.name)
-        return _functional.reduce_scatter_tensor(full, "sum", self.size, self.name)
-
-    def finish_gather(self, pending: torch.Tensor) -> torch.Tensor:
-        return _functional.wait_tensor(pending)
-
-    def finish_reduce_scatter(self, pending: torch.Tensor) -> torch.Tensor:
-        summed = _functional.wait_tensor(pending)
-        return summed.chunk(self.size)[self.rank] if self.sum_by_all_reduce else summed
-
-
 class AllGatherAttention(torch.autograd.Function):
     """Attention of this rank's queries against every rank's k/v, the collectives inside and
     overlapped with the own block's pieces (module docstring). ``local`` is this rank's k/v in
     the gather's layout ``[s_local, 2, b, groups, d]``."""
 
     @staticmethod
-    def forward(ctx, q, local, comm: CpCollectives, causal: bool, scale: float, kernel: str | None):
+    def forward(ctx, q, local, comm: StartedCollectives, causal: bool, scale: float, kernel: str | None):
         own, others = own_and_other_pieces(comm.size, comm.rank, q.size(1), causal, fused=kernel is not None)
         pending = comm.start_gather(local)
         out, lse = _new_output(q)
@@ -244,4 +215,4 @@ def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo
                          kernel: str | None) -> torch.Tensor:
     """Context-parallel attention with k/v all-gathered over the cp group (module docstring)."""
     local = torch.stack([k, v], dim=1).transpose(0, 2).contiguous()  # [s_local, 2, b, groups, d]
-    return AllGatherAttention.apply(q, local, CpCollectives(topology.cp_group), causal, scale, kernel)
+    return AllGatherAttention.apply(q, local, StartedCollectives(topology.cp_group), causal, scale, kernel)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+_functional = torch.ops._c10d_functional
+
 
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -80,3 +82,31 @@ def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         out = torch.empty((moved.shape[0] // size, *moved.shape[1:]), dtype=x.dtype, device=x.device)
         dist.reduce_scatter_tensor(out, moved, group=group)
     return out.movedim(0, dim)
+
+
+class StartedCollectives:
+    """All-gather and reduce-scatter along dim 0 over ``group``, each started and waited on
+    apart, so compute that does not need the result runs between (torch's functional
+    collectives: asynchronous on NCCL, and traceable, so a compiled layer keeps them in its
+    graph). gloo has no reduce-scatter: there it sums everything and keeps this rank's share
+    (more traffic, same result)."""
+
+    def __init__(self, group) -> None:
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.name = group.group_name
+        self.sum_by_all_reduce = dist.get_backend(group) == "gloo"
+
+    def start_gather(self, local: torch.Tensor) -> torch.Tensor:
+        return _functional.all_gather_into_tensor(local.contiguous(), self.size, self.name)
+
+    def finish_gather(self, pending: torch.Tensor) -> torch.Tensor:
+        return _functional.wait_tensor(pending)
+
+    def start_reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
+        if self.sum_by_all_reduce:
+            return _functional.all_reduce(full.contiguous(), "sum", self.name)
+        return _functional.reduce_scatter_tensor(full.contiguous(), "sum", self.size, self.name)
+
+    def finish_reduce_scatter(self, pending: torch.Tensor) -> torch.Tensor:
+        summed = _functional.wait_tensor(pending)
+        return summed.chunk(self.size)[self.rank] if self.sum_by_all_reduce else summed

@@ -23,6 +23,7 @@ from torch import nn
 from mtl.core.errors import ParallelError
 from mtl.core.model_protocol import tag_init
 from mtl.parallel.tensor_parallel import mappings, wgrad_fusion
+from mtl.parallel.tensor_parallel.gathered_linear import gathered_linear
 from mtl.parallel.tensor_parallel.sharding import divide, shard_of, tp_size_and_rank
 
 
@@ -94,6 +95,9 @@ class ColumnParallelLinear(nn.Module):
         return wgrad_fusion.linear(x, weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel and type(self).local_linear is ColumnParallelLinear.local_linear:
+            # gather and GEMM as one function: the backward's reduce-scatter beside the weight gradient
+            return gathered_linear(x, self.weight, self.bias, self.tp_group)  # [s/tp, b, in] -> [s, b, out/tp]
         if self.sequence_parallel:
             x = mappings.gather_from_sequence_parallel(x, self.tp_group)  # [s/tp, b, in] -> [s, b, in]
         else:
