@@ -36,6 +36,8 @@ if [ "$SHORT" = 1 ]; then
   else
     run dp2 2
     run tp2_sp 2 --set parallel.tp=2 --set parallel.sequence_parallel=true
+    # the backward's reduce-scatters beside the weight-gradient GEMMs, as written (gathered_linear)
+    run tp2_sp_overlap 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set parallel.overlap_layer_comm=true
     run pp2 2 --set parallel.pp=2
     # interleaved: two chunks per stage halve the pipeline bubble (1/9 of the step at 8 micro-batches)
     run pp2_vpp2 2 --set parallel.pp=2 --set parallel.vpp=2
