@@ -7,6 +7,7 @@
 # costs by itself. Needs one GPU. Run from the repository root: bash benchmarks/gpu/ranks_alone.sh
 # ROWS picks rows (default all): gpu1 tp2_sp pp2 pp2_vpp2 cp2 long_gpu1 long_cp2 long_cp2_allgather
 # (the cp rows name their cp_comm_type: compiled at cp=2 the config's own choice is all_gather).
+# EXTRA adds settings to every row, e.g. EXTRA="--set parallel.overlap_layer_comm=true".
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
@@ -17,7 +18,8 @@ alone() {  # alone NAME R/W [--set ...]: prints queue_time's line for that rank 
   local name=$1 spec=$2; shift 2
   echo "== $name, rank $spec"
   local as=(--as-rank "$spec"); [ "$spec" = - ] && as=()
-  timeout "${RUN_TIMEOUT:-200}" ${PYTHON:-python3} benchmarks/gpu/queue_time.py --steps "$STEPS" "${as[@]}" "$@" 2>&1 \
+  # shellcheck disable=SC2086  # EXTRA is a list of words
+  timeout "${RUN_TIMEOUT:-200}" ${PYTHON:-python3} benchmarks/gpu/queue_time.py --steps "$STEPS" "${as[@]}" "$@" ${EXTRA:-} 2>&1 \
     | grep -E "queueing|Error|error" | tail -2 || true
 }
 for row in $ROWS; do
