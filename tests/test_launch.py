@@ -60,10 +60,11 @@ def test_torchrun_two_stages_logs_once_and_saves(tmp_path):
     assert (ckpt / "latest").read_text().strip() == "4"
 
 
-# cp=2 as users launch it: k/v all-gathered; and the ring under FP8, whose scales must be
-# reduced over cp (before that fix the fp8 backend's cp=2 gradients were 15% off one process)
+# cp=2 as users launch it on a GPU: compiled, where the config derives all-gathered k/v; and
+# the ring under FP8, whose scales must be reduced over cp (before that fix the fp8 backend's
+# cp=2 gradients were 15% off one process)
 CONTEXT_PARALLEL_RUNS = {
-    "all_gather": ["parallel.cp_comm_type='all_gather'"],
+    "compiled_all_gather": ["train.compile=true"],
     "fp8_ring": ["model.backend='fp8'", "train.fp8='current'"],
 }
 
@@ -73,6 +74,7 @@ def test_torchrun_context_parallel_trains_like_one_process(tmp_path, run):
     """Two processes at cp=2 log the losses of one process (fp32; the layout tests compare
     gradients too)."""
     extra = CONTEXT_PARALLEL_RUNS[run]
+    comm = "all_gather" if run == "compiled_all_gather" else "p2p"
     config = write_config(tmp_path, iters=3)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -83,6 +85,8 @@ def test_torchrun_context_parallel_trains_like_one_process(tmp_path, run):
             cmd += ["--set", item]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        if "parallel.cp=2" in sets:  # the setup log names how the cp ranks share k/v
+            assert f"cp 0/2 ({comm})" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
         return [row["loss"] for row in read_metrics(logs)]
 
     single = losses([str(BIN / "python")], *extra)

@@ -20,21 +20,15 @@ import subprocess
 import torch
 import torch.distributed as dist
 
+from profile_step import cuda_ms_per_call
+
 MB = 1 << 20
 
 
-def _time_ms(fn, iters: int = 20, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+def _time_ms(fn, iters: int = 20) -> float:
+    """ms per call (``profile_step.cuda_ms_per_call``), every rank starting together."""
     dist.barrier()
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return cuda_ms_per_call(fn, iters=iters)
 
 
 def main() -> None:

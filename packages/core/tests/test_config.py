@@ -101,12 +101,16 @@ def test_cp_comm_type_derived_from_compile_and_cp(overrides, world, expected):
     assert cfg.parallel.cp_comm_type == expected
 
 
-def test_overlap_layer_comm_off_by_default_and_refused_without_compile():
+def test_overlap_layer_comm_off_by_default_and_refused_where_it_orders_nothing():
     assert load_config(None, ["train.compile=true"]).resolve(1, 257).parallel.overlap_layer_comm is False
-    cfg = load_config(None, ["train.compile=true", "parallel.overlap_layer_comm=true"]).resolve(1, 257)
-    assert cfg.parallel.overlap_layer_comm is True
+    on = ["train.compile=true", "parallel.overlap_layer_comm=true"]
+    for layout, world in ((["parallel.tp=2", "parallel.sequence_parallel=true"], 2), (["parallel.cp=2"], 2)):
+        assert load_config(None, [*on, *layout]).resolve(world, 257).parallel.overlap_layer_comm is True
     with pytest.raises(ConfigError, match=r"parallel.overlap_layer_comm = true needs train.compile = true"):
-        load_config(None, ["train.compile=false", "parallel.overlap_layer_comm=true"]).resolve(1, 257)
+        load_config(None, ["train.compile=false", "parallel.overlap_layer_comm=true", "parallel.cp=2"]).resolve(2, 257)
+    for layout, world in (([], 1), (["parallel.tp=2"], 2), (["parallel.cp=2", "parallel.cp_comm_type='p2p'"], 2)):
+        with pytest.raises(ConfigError, match=r"this layout .* has none: set parallel.overlap_layer_comm = false"):
+            load_config(None, [*on, *layout]).resolve(world, 257)
 
 
 def test_cp_comm_type_choice_checked():

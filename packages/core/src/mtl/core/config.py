@@ -478,11 +478,22 @@ def _resolve_moe(m: ModelConfig, p: ParallelConfig) -> None:
 
 
 def _check_overlap_layer_comm(p: ParallelConfig, t: TrainConfig) -> None:
-    """After train.compile is final: the overlap is a scheduling choice of inductor's."""
-    if p.overlap_layer_comm and not t.compile:
+    """After train.compile and cp_comm_type are final: the overlap is a scheduling choice of
+    inductor's, over the collectives written to overlap (sequence parallelism's column linear,
+    all-gathered cp k/v); anywhere else the key would change nothing."""
+    if not p.overlap_layer_comm:
+        return
+    if not t.compile:
         raise ConfigError(
             "parallel.overlap_layer_comm = true needs train.compile = true (inductor schedules the layer's "
             "collectives); set train.compile = true, or parallel.overlap_layer_comm = false"
+        )
+    if not ((p.tp > 1 and p.sequence_parallel) or (p.cp > 1 and p.cp_comm_type == "all_gather")):
+        raise ConfigError(
+            f"parallel.overlap_layer_comm = true orders the collectives of tp > 1 with sequence_parallel or of "
+            f"cp > 1 with cp_comm_type = 'all_gather'; this layout (tp = {p.tp}, sequence_parallel = "
+            f"{str(p.sequence_parallel).lower()}, cp = {p.cp}, cp_comm_type = '{p.cp_comm_type}') has none: "
+            "set parallel.overlap_layer_comm = false"
         )
 
 

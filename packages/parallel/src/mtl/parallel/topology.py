@@ -243,7 +243,8 @@ class Topology:
 
     def describe(self) -> str:
         return (
-            f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp}, cp {self.cp_rank}/{self.cp}, "
+            f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp}, cp {self.cp_rank}/{self.cp}"
+            + (f" ({self.cp_comm_type})" if self.cp > 1 else "") + ", "
             f"dp {self.dp_rank}/{self.dp}, pp {self.pp_rank}/{self.pp} (vpp {self.vpp}, "
             f"ep {self.ep_rank}/{self.ep}, expert dp {self.expert_dp_rank}/{self.expert_dp})"
         )

@@ -73,10 +73,7 @@ def build_model_chunks(config: RunConfig, topology: Topology, device: torch.devi
             # fp32 main_grad buffers: the weight-gradient GEMMs accumulate into them directly
             enable_wgrad_fusion(model)
     if config.train.compile:
-        # only where a layer has collectives of its own (the options would change nothing else,
-        # and would exclude a torch.compile mode)
-        in_layer_comm = topology.tp > 1 or topology.cp > 1 or topology.ep > 1
-        compile_regions(chunks, overlap_comm=bool(config.parallel.overlap_layer_comm and in_layer_comm))
+        compile_regions(chunks, overlap_comm=config.parallel.overlap_layer_comm)
     return chunks
 
 

@@ -48,7 +48,8 @@ class _GatheredLinear(torch.autograd.Function):
         return comm.finish_reduce_scatter(pending), grad_weight, grad_bias, None, None
 
 
-def gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group) -> torch.Tensor:
-    """``F.linear(all_gather(x along dim 0), weight, bias)`` over the TP ``group``, with the
-    backward described in the module docstring; ``x`` is ``[s/tp, b, in]``."""
-    return _GatheredLinear.apply(x, weight, bias, fused_main_grad(weight), StartedCollectives(group))
+def gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    comm: StartedCollectives) -> torch.Tensor:
+    """``F.linear(all_gather(x along dim 0), weight, bias)`` over the TP group of ``comm``, with
+    the backward described in the module docstring; ``x`` is ``[s/tp, b, in]``."""
+    return _GatheredLinear.apply(x, weight, bias, fused_main_grad(weight), comm)

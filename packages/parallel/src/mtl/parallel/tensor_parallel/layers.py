@@ -23,6 +23,7 @@ from torch import nn
 from mtl.core.errors import ParallelError
 from mtl.core.model_protocol import tag_init
 from mtl.parallel.tensor_parallel import mappings, wgrad_fusion
+from mtl.parallel.tensor_parallel.collectives import StartedCollectives
 from mtl.parallel.tensor_parallel.gathered_linear import gathered_linear
 from mtl.parallel.tensor_parallel.sharding import divide, shard_of, tp_size_and_rank
 
@@ -63,6 +64,8 @@ class ColumnParallelLinear(nn.Module):
         divide(output_size, self.tp * stride, f"ColumnParallelLinear output_size (stride {stride})")
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel and self.tp > 1
+        # the gather and reduce-scatter of gathered_linear, set up once (not per forward)
+        self.sp_comm = StartedCollectives(self.tp_group) if self.sequence_parallel else None
         self.stride = stride
         self.weight = nn.Parameter(
             torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype, device=device)
@@ -97,7 +100,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel and type(self).local_linear is ColumnParallelLinear.local_linear:
             # gather and GEMM as one function: the backward's reduce-scatter beside the weight gradient
-            return gathered_linear(x, self.weight, self.bias, self.tp_group)  # [s/tp, b, in] -> [s, b, out/tp]
+            return gathered_linear(x, self.weight, self.bias, self.sp_comm)  # [s/tp, b, in] -> [s, b, out/tp]
         if self.sequence_parallel:
             x = mappings.gather_from_sequence_parallel(x, self.tp_group)  # [s/tp, b, in] -> [s, b, in]
         else:
