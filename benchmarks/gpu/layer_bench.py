@@ -123,7 +123,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    from profile_step import kernel_table, profile_steps
+    from profile_step import gemm_table, kernel_table, profile_steps
 
     if len(args.variants) > 1:  # each variant in its own process: monkeypatches and caches stay apart
         import subprocess
@@ -136,9 +136,10 @@ def main() -> None:
     variant = args.variants[0]
     call = peer_block(args.sets) if variant == "peer" else mtl_layer(variant, args.sets)
     ms = timed(call, args.iters)
-    prof = profile_steps(call, warmup=1, steps=5)
+    prof = profile_steps(call, warmup=1, steps=5, record_shapes=True)
     table = kernel_table(prof, steps=5, rows=args.rows, title=f"{variant}: one layer, forward + backward")
-    text = f"## {variant}: {ms:.3f} ms per layer forward + backward (mean of {args.iters})\n\n{table}"
+    text = (f"## {variant}: {ms:.3f} ms per layer forward + backward (mean of {args.iters})\n\n{table}\n"
+            f"GEMMs by shape, per call:\n\n{gemm_table(prof, steps=5)}")
     print(text, flush=True)
     if args.out:
         Path(args.out).write_text(text)

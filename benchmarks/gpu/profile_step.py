@@ -64,13 +64,14 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def profile_steps(step: Callable[[], object], warmup: int = 2, steps: int = 2):
-    """Run ``warmup`` steps, then profile ``steps`` more; returns the profiler."""
+def profile_steps(step: Callable[[], object], warmup: int = 2, steps: int = 2, record_shapes: bool = False):
+    """Run ``warmup`` steps, then profile ``steps`` more; returns the profiler
+    (``record_shapes``: operators keep their inputs' shapes, for ``gemm_table``)."""
     for _ in range(warmup):
         step()
     _sync()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=record_shapes) as prof:
         for _ in range(steps):
             step()
         _sync()
@@ -112,6 +113,51 @@ def kernels_per_call(fn: Callable[[], object], calls: int = 20, warmup: int = 3)
             if getattr(e, "device_type", None) == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
             and _device_time(e) > 0]
     return sorted(rows, key=lambda r: -r[1])
+
+
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm")
+
+
+def _gemm_flops(op: str, shapes: list) -> float:
+    """2·M·N·K of one GEMM operator from its inputs' shapes (addmm/baddbmm: the matrices are
+    inputs 1 and 2)."""
+    a, b = (shapes[1], shapes[2]) if op in ("aten::addmm", "aten::baddbmm") else (shapes[0], shapes[1])
+    batch = a[0] if len(a) == 3 else 1
+    return 2.0 * batch * a[-2] * a[-1] * b[-1]
+
+
+def _kernels_below(evt) -> list:
+    """The device kernels an operator launched, its own and its children's."""
+    found = list(getattr(evt, "kernels", []))
+    for child in getattr(evt, "cpu_children", []):
+        found += _kernels_below(child)
+    return found
+
+
+def gemm_table(prof, steps: int) -> str:
+    """Markdown: every GEMM shape of the profiled steps (a profile taken with
+    ``record_shapes``), with the kernel cuBLAS chose, its calls and device time per step and its
+    rate. Shows which GEMM of a layer runs below the device's matmul rate, and under which
+    kernel name it appears in ``kernel_table``."""
+    rows: dict[tuple, list[float]] = {}
+    for e in prof.events():
+        if e.name not in GEMM_OPS or not e.input_shapes:
+            continue
+        kernels = _kernels_below(e)
+        if not kernels:
+            continue
+        shapes = [list(s) for s in e.input_shapes if s]
+        key = (e.name, str(shapes), " + ".join(sorted({k.name for k in kernels})))
+        entry = rows.setdefault(key, [0.0, 0.0, _gemm_flops(e.name, shapes)])
+        entry[0] += 1
+        entry[1] += sum(k.duration for k in kernels)
+    lines = ["| operator | input shapes | kernel | calls/step | ms/step | µs/call | TFLOP/s |",
+             "|---|---|---|---|---|---|---|"]
+    for (op, shapes, kernel), (count, us, flops) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
+        rate = flops * count / (us * 1e-6) / 1e12 if us else 0.0
+        lines.append(f"| {op} | {shapes} | `{kernel[:70]}` | {count / steps:g} | {us / steps / 1e3:.2f} | "
+                     f"{us / count:.1f} | {rate:.0f} |")
+    return "\n".join(lines) + "\n"
 
 
 def category(name: str) -> str:
@@ -207,16 +253,19 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=40)
     parser.add_argument("--markdown", help="also write the top kernels (20) as markdown to this file")
     parser.add_argument("--as-rank", default=None, metavar="R/W", help=AS_RANK_HELP)
+    parser.add_argument("--gemms", action="store_true", help="also every GEMM shape with its kernel and rate")
     args = parser.parse_args()
     if args.as_rank:
         join_fake_group(args.as_rank)
     step, _ = mtl_step(args.config, args.overrides)
-    prof = profile_steps(step, warmup=2, steps=2)
+    prof = profile_steps(step, warmup=2, steps=2, record_shapes=args.gemms)
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=args.rows))
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(kernel_table(prof, steps=2, rows=20, title=f"mtl, {args.config}"))
+    if args.gemms:
+        print(gemm_table(prof, steps=2))
 
 
 if __name__ == "__main__":

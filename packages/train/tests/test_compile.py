@@ -70,3 +70,4 @@ def test_compiled_layout_equals_eager_one_process(name, eager_reference):
             assert breaks and all("_ring_attention" in reason for reason in breaks), breaks
         else:
             assert breaks == {}, f"rank {rank}: {breaks}"
+        assert result["layer_graphs"] == 1, f"rank {rank}: the layer traced {result['layer_graphs']} times"
