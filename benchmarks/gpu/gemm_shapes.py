@@ -13,7 +13,6 @@ SwiGLU width 5440); tokens default to one micro-batch (4 x 2048).
 from __future__ import annotations
 
 import argparse
-
 from pathlib import Path
 
 import torch
