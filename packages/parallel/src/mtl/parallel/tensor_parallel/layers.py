@@ -64,8 +64,10 @@ class ColumnParallelLinear(nn.Module):
         divide(output_size, self.tp * stride, f"ColumnParallelLinear output_size (stride {stride})")
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel and self.tp > 1
-        # the gather and reduce-scatter of gathered_linear, set up once (not per forward)
-        self.sp_comm = StartedCollectives(self.tp_group) if self.sequence_parallel else None
+        # gathered_linear's collectives, set up once: with sequence parallelism and the plain GEMM
+        # (a subclass overriding local_linear, mtl-quant's FP8, keeps gather then local_linear)
+        gathered = self.sequence_parallel and type(self).local_linear is ColumnParallelLinear.local_linear
+        self.sp_comm = StartedCollectives(self.tp_group) if gathered else None
         self.stride = stride
         self.weight = nn.Parameter(
             torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype, device=device)
@@ -98,7 +100,7 @@ class ColumnParallelLinear(nn.Module):
         return wgrad_fusion.linear(x, weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel and type(self).local_linear is ColumnParallelLinear.local_linear:
+        if self.sp_comm is not None:
             # gather and GEMM as one function: the backward's reduce-scatter beside the weight gradient
             return gathered_linear(x, self.weight, self.bias, self.sp_comm)  # [s/tp, b, in] -> [s, b, out/tp]
         if self.sequence_parallel:
