@@ -10,7 +10,8 @@ table goes on:
 - ``matmul``: a bf16 8192³ matmul, the MFU peak of this device (TFLOP/s), measured first;
 - ``peer-eager`` / ``peer-compile``: ``peer_model.py`` (Llama-style, SDPA, F.rms_norm, RoPE,
   SwiGLU, fused AdamW, bf16 autocast over fp32 parameters, grad accumulation), eager and with
-  ``torch.compile`` on each block;
+  ``torch.compile`` on each block; ``peer-compile-fa4`` (not a default row) the compiled peer with
+  ``bench.sdpa=fa4`` (below);
 - ``mtl-<variant>``: ``mtl.train.loop.train`` on the config with the variant's ``--set``
   overrides (``--variants eager compile`` by default: ``train.compile=false`` / ``true``;
   custom: ``NAME:KEY=VALUE;KEY=VALUE``; the pseudo-key ``bench.fused_loss=false`` runs
@@ -22,7 +23,8 @@ table goes on:
   regions with ``torch.compile(mode=MODE)``, e.g. ``reduce-overhead`` for CUDA graphs;
   ``bench.env.NAME=VALUE`` sets an environment variable in the row's process, e.g.
   ``bench.env.MTL_FP8_WEIGHT_CACHE=0``; ``bench.te_wgrad=all|leaves|none`` picks which TE
-  modules accumulate their weight gradients into ``main_grad`` (mtl-te: all);
+  modules accumulate their weight gradients into ``main_grad`` (mtl-te: all); ``bench.sdpa=cudnn|flash2|fa4``
+  picks SDPA's kernel (``_sdpa_kernel``);
   ``bench.te_fusion=all|qkv|none`` and ``bench.te_norm=te|local`` pick which leaves the te
   backend fuses and whose norm it builds (``_te_layout``)).
 
@@ -61,7 +63,7 @@ PRESET_VARIANTS = {
     "compile-unfused": ["train.compile=true", "bench.fused_loss=false"],
     "compile-nowgradfusion": ["train.compile=true", "bench.wgrad_fusion=false"],
 }
-PEER_SYSTEMS = ("peer-eager", "peer-compile")
+PEER_SYSTEMS = ("peer-eager", "peer-compile", "peer-compile-fa4")
 # A small model for a CPU check of the script: every code path, a minute in all.
 TINY = [
     "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=64",
@@ -162,7 +164,7 @@ def main() -> None:
     if args.device:
         sets.append(f"train.device='{args.device}'")
     variants = dict(parse_variant(v) for v in args.variants)
-    systems = args.systems or [*PEER_SYSTEMS, *(f"mtl-{v}" for v in variants)]
+    systems = args.systems or ["peer-eager", "peer-compile", *(f"mtl-{v}" for v in variants)]
     for s in systems + args.profile:
         if s not in PEER_SYSTEMS and not (s.startswith("mtl-") and s[4:] in variants):
             raise SystemExit(f"unknown system {s!r}: have {', '.join([*PEER_SYSTEMS, *(f'mtl-{v}' for v in variants)])}")
@@ -184,7 +186,8 @@ def main() -> None:
         if system.startswith("mtl-"):
             spec = dict(name=system, kind="mtl", config=args.config, sets=[*sets, *variants[system[4:]]])
         else:
-            spec = dict(name=system, kind="peer", compile=system == "peer-compile", config=args.config, sets=sets)
+            spec = dict(name=system, kind="peer", compile=system.startswith("peer-compile"), config=args.config,
+                        sets=[*sets, *(["bench.sdpa=fa4"] if system.endswith("-fa4") else [])])
         return {**spec, "iters": iters, "skip": args.skip, **extra}
 
     header = [f"# Training speed: mtl and a plain-PyTorch peer ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
@@ -312,7 +315,7 @@ def worker_peer(spec: dict) -> dict:
 
     from peer_model import PeerTrainer
 
-    cfg = _resolved(spec["config"], spec["sets"])
+    cfg = _resolved(spec["config"], _bench_keys(spec["sets"]))
     device = torch.device(cfg.train.device)
     trainer = PeerTrainer(cfg, device, compile_blocks=spec["compile"])
     if spec.get("profile_out"):
@@ -377,13 +380,33 @@ def _bench_keys(sets: list[str]) -> list[str]:
             # mtl's compile_regions, each region compiled with this torch.compile mode
             torch.nn.Module.compile = functools.partialmethod(torch.nn.Module.compile,
                                                               mode=value.strip().strip("'\""))
+        elif key.strip() == "bench.sdpa":
+            _sdpa_kernel(value.strip().strip("'\""))
         elif key.strip().startswith("bench."):
             raise SystemExit(f"unknown bench key {key!r} (have bench.fused_loss, bench.wgrad_fusion, bench.te_wgrad, "
-                             "bench.te_fusion, bench.te_norm, "
+                             "bench.te_fusion, bench.te_norm, bench.sdpa, "
                              "bench.inductor.<torch._inductor.config name>, bench.compile_mode, bench.env.<NAME>)")
         else:
             rest.append(item)
     return rest
+
+
+def _sdpa_kernel(choice: str) -> None:
+    """``bench.sdpa``: which kernel ``F.scaled_dot_product_attention`` runs on the GPU. ``cudnn`` is
+    SDPA's own choice on Hopper; ``flash2`` is PyTorch's built-in FlashAttention-2; ``fa4`` is
+    FlashAttention-4 as ``train.attention_kernel = 'fa4'`` sets it up (``fa4_install.sh``), for the
+    peer, which has no config (an mtl row sets the key itself)."""
+    import torch
+
+    if choice not in ("cudnn", "flash2", "fa4"):
+        raise SystemExit(f"bench.sdpa = {choice!r}: one of cudnn, flash2, fa4")
+    if choice == "fa4":  # what train.attention_kernel = 'fa4' does (the peer has no such key)
+        from mtl.parallel.backend_local.fa4 import activate_fa4
+
+        activate_fa4(torch.device("cuda"))
+    elif choice == "flash2":  # SDPA's priority on Hopper puts cuDNN first; leave it flash
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
 
 
 def _te_layout(key: str, choice: str) -> None:

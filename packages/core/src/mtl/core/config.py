@@ -28,6 +28,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.fp8_format": ("e4m3", "hybrid"),
     "train.fp8_amax_compute_algo": ("max", "most_recent"),
     "parallel.cp_comm_type": ("p2p", "all_gather"),
+    "train.attention_kernel": ("sdpa", "fa4"),
 }
 
 
@@ -180,6 +181,11 @@ class TrainConfig:
     # or fp8: benchmarks/RESULTS.md). CUDA, one GPU (no tp/pp/cp/dp), dense layers, no recompute or
     # dropout, not FP8 delayed scaling
     cuda_graphs: bool = False
+    # the core attention's kernel: sdpa (PyTorch's F.scaled_dot_product_attention picks: cuDNN's
+    # fused attention on Hopper) | fa4 (FlashAttention-4, the flash-attn-4 package, as SDPA's kernel:
+    # 12% less attention time than cuDNN on the H100 reference model, benchmarks/RESULTS.md).
+    # fa4: CUDA Hopper or Blackwell, no attention dropout, parallel.cp = 1, the local or fp8 backend
+    attention_kernel: str = "sdpa"
     device: str = "auto"  # auto | cpu | cuda
     # a NaN/Inf loss or gradient norm stops the run; N > 0 skips (no update) up to N such steps
     skip_bad_steps: int = 0
@@ -272,6 +278,7 @@ class RunConfig:
         _resolve_cp_comm_type(p, t)
         _check_overlap_layer_comm(p, t)
         _check_cuda_graphs(m, p, t)
+        _check_attention_kernel(m, p, t)
         cfg.resolved = True
         return cfg
 
@@ -568,11 +575,34 @@ def _check_cuda_graphs(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> Non
         if conflict:
             raise ConfigError(f"train.cuda_graphs = true does not work with {setting}: set it to {fix}, "
                               "or train.cuda_graphs = false")
-    import torch  # noqa: PLC0415 (only to see whether this run will use CUDA)
-
-    if t.device == "cpu" or (t.device == "auto" and not torch.cuda.is_available()):
+    if _uses_cpu(t):
         raise ConfigError("train.cuda_graphs = true needs a CUDA device (this run uses the CPU); "
                           "set train.cuda_graphs = false")
+
+
+def _uses_cpu(t: TrainConfig) -> bool:
+    import torch  # noqa: PLC0415 (only to see whether this run will use CUDA)
+
+    return t.device == "cpu" or (t.device == "auto" and not torch.cuda.is_available())
+
+
+def _check_attention_kernel(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> None:
+    """``train.attention_kernel = "fa4"`` swaps SDPA's kernel in mtl's own core attention
+    (mtl.parallel.backend_local.fa4); what it cannot serve is refused here, before any work."""
+    if t.attention_kernel != "fa4":
+        return
+    conflicts = [
+        (m.backend == "te", "model.backend = 'te' (Transformer Engine runs its own attention)", "model.backend = 'local'"),
+        (m.attention_dropout > 0, f"model.attention_dropout = {m.attention_dropout} (FA4 has no dropout)",
+         "model.attention_dropout = 0"),
+        # the ring's blocks would reach FA4 through aten's flash ops too, but no run has checked them
+        (p.cp > 1, f"parallel.cp = {p.cp} (context parallelism is verified on cuDNN and FA2 only)", "parallel.cp = 1"),
+        (_uses_cpu(t), "a CPU run", "a CUDA device (train.device = 'cuda')"),
+    ]
+    for conflict, setting, fix in conflicts:
+        if conflict:
+            raise ConfigError(f"train.attention_kernel = 'fa4' does not work with {setting}: use {fix}, "
+                              "or train.attention_kernel = 'sdpa'")
 
 
 def _check_backend(cfg: "RunConfig", compile_unset: bool = False) -> None:

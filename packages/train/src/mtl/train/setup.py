@@ -140,6 +140,10 @@ def setup(config: RunConfig) -> Run:
     tokenizer = build_tokenizer(config)
     config = config.resolve(world_size=world_size, tokenizer_vocab_size=tokenizer.vocab_size)
     check_checkpoint_dirs(config)
+    if config.train.attention_kernel == "fa4":
+        from mtl.parallel.backend_local.fa4 import activate_fa4
+
+        activate_fa4(device)
     p = config.parallel
     topology = Topology.build(tp=p.tp, pp=p.pp, cp=p.cp, vpp=p.vpp, ep=p.ep, cp_comm_type=p.cp_comm_type)
     seed_everything(config.train.seed, topology, device)
