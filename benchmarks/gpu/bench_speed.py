@@ -24,7 +24,8 @@ table goes on:
   ``bench.env.NAME=VALUE`` sets an environment variable in the row's process, e.g.
   ``bench.env.MTL_FP8_WEIGHT_CACHE=0``; ``bench.te_wgrad=all|leaves|none`` picks which TE
   modules accumulate their weight gradients into ``main_grad`` (mtl-te: all); ``bench.sdpa=cudnn|flash2|fa4``
-  picks SDPA's kernel (``_sdpa_kernel``);
+  picks SDPA's kernel (``_sdpa_kernel``); ``bench.swiglu=autograd`` runs SwiGLU's backward as autograd
+  writes it (before ``mtl.models.gpt.swiglu``);
   ``bench.te_fusion=all|qkv|none`` and ``bench.te_norm=te|local`` pick which leaves the te
   backend fuses and whose norm it builds (``_te_layout``)).
 
@@ -380,11 +381,25 @@ def _bench_keys(sets: list[str]) -> list[str]:
             # mtl's compile_regions, each region compiled with this torch.compile mode
             torch.nn.Module.compile = functools.partialmethod(torch.nn.Module.compile,
                                                               mode=value.strip().strip("'\""))
+        elif key.strip() == "bench.swiglu":
+            # autograd: SwiGLU as it was before mtl.models.gpt.swiglu (autograd's backward through
+            # the chunk, which inductor writes as one pointwise concatenation)
+            if value.strip().strip("'\"") != "autograd":
+                raise SystemExit(f"bench.swiglu = {value!r}: only autograd")
+            import torch
+
+            import mtl.models.gpt.mlp as mlp_module
+
+            def autograd_swiglu(fc1_out):
+                gate, up = fc1_out.chunk(2, dim=-1)
+                return torch.nn.functional.silu(gate) * up
+
+            mlp_module.swiglu = autograd_swiglu
         elif key.strip() == "bench.sdpa":
             _sdpa_kernel(value.strip().strip("'\""))
         elif key.strip().startswith("bench."):
             raise SystemExit(f"unknown bench key {key!r} (have bench.fused_loss, bench.wgrad_fusion, bench.te_wgrad, "
-                             "bench.te_fusion, bench.te_norm, bench.sdpa, "
+                             "bench.te_fusion, bench.te_norm, bench.sdpa, bench.swiglu, "
                              "bench.inductor.<torch._inductor.config name>, bench.compile_mode, bench.env.<NAME>)")
         else:
             rest.append(item)

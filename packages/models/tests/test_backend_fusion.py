@@ -13,6 +13,7 @@ from torch import nn
 
 from mtl.core.plugins import registry
 from mtl.models.gpt import build_gpt
+from mtl.models.gpt.swiglu import swiglu
 from mtl.models.param_layout import gather_global_state
 from mtl.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from mtl.parallel.testing import run_distributed
@@ -48,8 +49,7 @@ class NormMLP(nn.Module):
     def forward(self, x):
         h = self.linear_fc1(self.norm(x))
         if self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = swiglu(h)  # as the local MLP computes it
         else:
             h = F.gelu(h)
         return self.linear_fc2(h)

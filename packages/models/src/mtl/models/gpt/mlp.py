@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtl.core.spec import build_module
+from mtl.models.gpt.swiglu import swiglu
 from mtl.models.initialization import tag_weights
 
 
@@ -77,9 +78,8 @@ class MLP(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[s(/tp), b, h] -> [s(/tp), b, h] (the sequence split is SP's, undone and redone by the linears)."""
         intermediate = self.linear_fc1(hidden)  # [s, b, fc1_width / tp]
-        if self.gated:
-            gate, up = intermediate.chunk(2, dim=-1)  # each [s, b, ffn / tp]
-            intermediate = F.silu(gate) * up
+        if self.gated:  # [gate | up], each [s, b, ffn / tp]; a backward that reads them once
+            intermediate = swiglu(intermediate)
         else:
             intermediate = F.gelu(intermediate)
         return self.linear_fc2(intermediate)
