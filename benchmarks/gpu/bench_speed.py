@@ -24,8 +24,8 @@ table goes on:
   ``bench.env.NAME=VALUE`` sets an environment variable in the row's process, e.g.
   ``bench.env.MTL_FP8_WEIGHT_CACHE=0``; ``bench.te_wgrad=all|leaves|none`` picks which TE
   modules accumulate their weight gradients into ``main_grad`` (mtl-te: all); ``bench.sdpa=cudnn|flash2|fa4``
-  picks SDPA's kernel (``_sdpa_kernel``); ``bench.swiglu=autograd`` runs SwiGLU's backward as autograd
-  writes it (before ``mtl.models.gpt.swiglu``);
+  picks SDPA's kernel (``_sdpa_kernel``); ``bench.swiglu=autograd`` runs the dense MLP's SwiGLU backward as
+  autograd writes it (before ``mtl.models.swiglu``);
   ``bench.te_fusion=all|qkv|none`` and ``bench.te_norm=te|local`` pick which leaves the te
   backend fuses and whose norm it builds (``_te_layout``)).
 
@@ -382,7 +382,7 @@ def _bench_keys(sets: list[str]) -> list[str]:
             torch.nn.Module.compile = functools.partialmethod(torch.nn.Module.compile,
                                                               mode=value.strip().strip("'\""))
         elif key.strip() == "bench.swiglu":
-            # autograd: SwiGLU as it was before mtl.models.gpt.swiglu (autograd's backward through
+            # autograd: SwiGLU as it was before mtl.models.swiglu (autograd's backward through
             # the chunk, which inductor writes as one pointwise concatenation)
             if value.strip().strip("'\"") != "autograd":
                 raise SystemExit(f"bench.swiglu = {value!r}: only autograd")

@@ -13,7 +13,7 @@ from torch import nn
 
 from mtl.core.plugins import registry
 from mtl.models.gpt import build_gpt
-from mtl.models.gpt.swiglu import swiglu
+from mtl.models.swiglu import swiglu
 from mtl.models.param_layout import gather_global_state
 from mtl.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from mtl.parallel.testing import run_distributed

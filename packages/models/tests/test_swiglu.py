@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtl.models.gpt.swiglu import swiglu, swiglu_backward
+from mtl.models.swiglu import swiglu, swiglu_backward
 
 
 def reference(fc1_out: torch.Tensor, grad: torch.Tensor):
@@ -60,3 +60,11 @@ def test_fake_kernel_matches_the_real_one():
     real = swiglu_backward(fc1_out, grad)
     fake = swiglu_backward(fc1_out.to("meta"), grad.to("meta"))
     assert real.shape == fake.shape == fc1_out.shape and real.dtype == fake.dtype
+
+
+@pytest.mark.parametrize("device", devices())
+def test_no_tokens(device):
+    # an MoE expert that received none
+    fc1_out = torch.randn(0, 2 * 48, device=device, dtype=torch.bfloat16, requires_grad=True)
+    swiglu(fc1_out).sum().backward()
+    assert fc1_out.grad.shape == (0, 96)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtl.core.spec import build_module
-from mtl.models.gpt.swiglu import swiglu
+from mtl.models.swiglu import swiglu
 from mtl.models.initialization import tag_weights
 
 

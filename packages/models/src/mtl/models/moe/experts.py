@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtl.core.errors import ConfigError
+from mtl.models.swiglu import swiglu
 
 
 def _ep_size_and_rank(topology) -> tuple[int, int]:
@@ -104,9 +105,8 @@ class GroupedExperts(nn.Module):
         self.use_grouped_mm: bool | None = None  # None: where it works; False: always the loop
 
     def _activation(self, intermediate: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            gate, up = intermediate.chunk(2, dim=-1)  # each [N, ffn/tp]
-            return F.silu(gate) * up
+        if self.gated:  # [gate | up], each [N, ffn/tp]
+            return swiglu(intermediate)
         return F.gelu(intermediate)
 
     def grouped_mm_usable(self, tokens: torch.Tensor) -> bool:
