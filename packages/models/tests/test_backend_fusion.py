@@ -13,8 +13,8 @@ from torch import nn
 
 from mtl.core.plugins import registry
 from mtl.models.gpt import build_gpt
-from mtl.models.swiglu import swiglu
 from mtl.models.param_layout import gather_global_state
+from mtl.models.swiglu import swiglu
 from mtl.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from mtl.parallel.testing import run_distributed
 from mtl.parallel.topology import Topology

@@ -5,7 +5,8 @@ On a Hopper or Blackwell GPU with flash-attn-4 installed (benchmarks/gpu/fa4_ins
 compiled tiny GPT (bf16, grouped-query attention) trains on real text (the demo corpus, byte
 tokenizer) with FA4 and with SDPA's own kernel; the losses agree to bf16's rounding, and the
 profiler sees FA4's kernels (not cuDNN's) in the FA4 run's compiled layers. On any machine: the
-settings it cannot serve are refused before any work, naming the key.
+settings it cannot serve are refused before any work, naming the key, and the saved config of an
+FA4 run resolves for inference and export on a CPU (with SDPA).
 """
 
 import importlib.util
@@ -56,6 +57,14 @@ def test_fa4_refuses_context_parallelism():
 def test_unknown_attention_kernel_named():
     with pytest.raises(ConfigError, match=r"train.attention_kernel = 'flash' is not one of sdpa, fa4"):
         load_config(None, [*TINY, "train.attention_kernel='flash'"]).resolve(tokenizer_vocab_size=257)
+
+
+def test_an_fa4_run_config_resolves_for_cpu_inference_and_export():
+    from mtl.train.inference import single_process_config
+
+    saved = load_config(None, [*TINY, "train.attention_kernel='fa4'", "train.device='auto'"]).to_dict()
+    config = single_process_config(saved).resolve(tokenizer_vocab_size=257)
+    assert config.train.attention_kernel == "sdpa"
 
 
 def test_activation_refuses_a_cpu_device():

@@ -27,6 +27,8 @@ def single_process_config(saved: dict) -> RunConfig:
     # captured layers are a training setting (CUDA, one GPU): loading for inference or export
     # runs the layers as they are, on any device
     data["train"]["cuda_graphs"] = False
+    # so is FA4 (CUDA only, and no masks for decoding with a KV cache): SDPA serves any device
+    data["train"]["attention_kernel"] = "sdpa"
     return config_from_dict(data)
 
 

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtl.core.spec import build_module
-from mtl.models.swiglu import swiglu
 from mtl.models.initialization import tag_weights
+from mtl.models.swiglu import swiglu
 
 
 @dataclass(frozen=True)
