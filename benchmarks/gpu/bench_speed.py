@@ -23,7 +23,7 @@ table goes on:
   regions with ``torch.compile(mode=MODE)``, e.g. ``reduce-overhead`` for CUDA graphs;
   ``bench.env.NAME=VALUE`` sets an environment variable in the row's process, e.g.
   ``bench.env.MTL_FP8_WEIGHT_CACHE=0``; ``bench.te_wgrad=all|leaves|none`` picks which TE
-  modules accumulate their weight gradients into ``main_grad`` (mtl-te: all); ``bench.sdpa=cudnn|flash2|fa4``
+  modules accumulate their weight gradients into ``main_grad`` (mtl-te: all); ``bench.sdpa=flash2|fa4``
   picks SDPA's kernel (``_sdpa_kernel``); ``bench.swiglu=autograd`` runs the dense MLP's SwiGLU backward as
   autograd writes it (before ``mtl.models.swiglu``);
   ``bench.te_fusion=all|qkv|none`` and ``bench.te_norm=te|local`` pick which leaves the te
@@ -407,19 +407,19 @@ def _bench_keys(sets: list[str]) -> list[str]:
 
 
 def _sdpa_kernel(choice: str) -> None:
-    """``bench.sdpa``: which kernel ``F.scaled_dot_product_attention`` runs on the GPU. ``cudnn`` is
-    SDPA's own choice on Hopper; ``flash2`` is PyTorch's built-in FlashAttention-2; ``fa4`` is
+    """``bench.sdpa``: which kernel ``F.scaled_dot_product_attention`` runs on the GPU instead of
+    SDPA's own choice (cuDNN on Hopper): ``flash2``, PyTorch's built-in FlashAttention-2, or ``fa4``,
     FlashAttention-4 as ``train.attention_kernel = 'fa4'`` sets it up (``fa4_install.sh``), for the
     peer, which has no config (an mtl row sets the key itself)."""
     import torch
 
-    if choice not in ("cudnn", "flash2", "fa4"):
-        raise SystemExit(f"bench.sdpa = {choice!r}: one of cudnn, flash2, fa4")
+    if choice not in ("flash2", "fa4"):
+        raise SystemExit(f"bench.sdpa = {choice!r}: one of flash2, fa4")
     if choice == "fa4":  # what train.attention_kernel = 'fa4' does (the peer has no such key)
         from mtl.parallel.backend_local.fa4 import activate_fa4
 
         activate_fa4(torch.device("cuda"))
-    elif choice == "flash2":  # SDPA's priority on Hopper puts cuDNN first; leave it flash
+    else:  # SDPA's priority on Hopper puts cuDNN first; leave it flash
         torch.backends.cuda.enable_cudnn_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
 

@@ -116,3 +116,8 @@ def test_a_real_process_prints_one_line_and_exits_2_and_debug_shows_the_tracebac
                            capture_output=True, text=True, timeout=120, check=False)
     assert debug.returncode != 0
     assert "Traceback" in debug.stderr and "ConfigError: config file missing.toml" in debug.stderr
+
+
+def test_fa4_on_a_cpu_run_is_refused_before_any_work(mtl, clean_error, tiny_toml):
+    clean_error(mtl("train", tiny_toml, "--set", "train.attention_kernel='fa4'"),
+                "train.attention_kernel = 'fa4' does not work with a CPU run", "train.attention_kernel = 'sdpa'")

@@ -23,6 +23,7 @@ rank of a small model) does not.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import torch
@@ -32,6 +33,7 @@ from mtl.core.errors import ConfigError
 _INSTALL = "pip install flash-attn-4 (with nvidia-cutlass-dsl[cu13] on CUDA 13)"
 
 
+@functools.cache  # looked up on every attention call; a failed import raises, and is not cached
 def _interface():
     try:
         return importlib.import_module("flash_attn.cute.interface")
