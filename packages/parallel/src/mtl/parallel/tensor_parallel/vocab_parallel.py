@@ -4,18 +4,24 @@ Rank r holds rows ``[r*V/tp, (r+1)*V/tp)`` of the ``[V, h]`` table (``V`` is the
 vocabulary, a multiple of tp). A rank looks up the tokens it owns, writes zeros for the
 others, and the ranks sum their results: all-reduce to ``[s, b, h]``, or with sequence
 parallelism reduce-scatter straight to ``[s/tp, b, h]``.
+
+With bf16 weights and fp32 gradient buffers the table takes part in wgrad_fusion.py's
+gradient-accumulation fusion: its backward adds each token's gradient row into
+``weight.main_grad`` in fp32 (embedding_grad.py) instead of writing a dense bf16 ``[V/tp, h]``
+gradient for the DataParallel hook to add (unless the table is tied to the output layer).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mtl.core.model_protocol import tag_init
 from mtl.parallel.tensor_parallel import mappings
+from mtl.parallel.tensor_parallel.embedding_grad import embedding
 from mtl.parallel.tensor_parallel.layers import mark_tp_split
 from mtl.parallel.tensor_parallel.sharding import divide, shard_of, tp_size_and_rank
+from mtl.parallel.tensor_parallel.wgrad_fusion import fused_main_grad
 
 
 def vocab_range(vocab_size: int, tp: int, tp_rank: int) -> tuple[int, int]:
@@ -50,6 +56,7 @@ class VocabParallelEmbedding(nn.Module):
         mark_tp_split(self.weight, 0)
         tag_init(self.weight, "normal")
         self.init_std = init_std
+        self.accumulates_main_grad = False  # enable_main_grad_accumulation switches it on
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -60,13 +67,24 @@ class VocabParallelEmbedding(nn.Module):
         """Copy this rank's rows of a global ``[V, h]`` table."""
         self.weight.copy_(shard_of(weight, 0, self.tp, self.tp_rank))
 
+    # wgrad_fusion.enable_wgrad_fusion's contract: the backward can add the table's gradient
+    # into weight.main_grad itself (embedding_grad.py), touching only the rows of the tokens seen
+    def main_grad_accumulation_params(self) -> list[nn.Parameter]:
+        return [self.weight]
+
+    def enable_main_grad_accumulation(self) -> None:
+        self.accumulates_main_grad = True
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         tokens = tokens.t()  # [b, s] -> [s, b]: activations are sequence-first
+        main_grad = fused_main_grad(self.weight) if self.accumulates_main_grad else None
         if self.tp == 1:
-            return F.embedding(tokens, self.weight)  # [s, b, h]
+            return embedding(tokens, self.weight, main_grad)  # [s, b, h]
         not_mine = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
         local_ids = (tokens - self.vocab_start).masked_fill(not_mine, 0)
-        partial = F.embedding(local_ids, self.weight).masked_fill(not_mine.unsqueeze(-1), 0.0)  # [s, b, h]
+        # the tokens of other ranks look up row 0, are zeroed here and add nothing to its gradient
+        partial = embedding(local_ids, self.weight, main_grad, skip=not_mine)
+        partial = partial.masked_fill(not_mine.unsqueeze(-1), 0.0)  # [s, b, h]
         if self.sequence_parallel:
             return mappings.reduce_scatter_to_sequence_parallel(partial, self.tp_group)  # [s/tp, b, h]
         return mappings.reduce_from_tensor_parallel(partial, self.tp_group)
