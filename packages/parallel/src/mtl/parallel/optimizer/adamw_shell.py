@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from mtl.core.errors import CheckpointError, ConfigError, ParallelError
+from mtl.parallel.optimizer import triton_adamw
 from mtl.parallel.optimizer.grad_norm import CLIP_EPS, clip_grad_norm, global_grad_norm
 from mtl.parallel.optimizer.param_groups import uses_weight_decay
 from mtl.parallel.optimizer.state_layout import MOMENTS, MomentPiece, ensure_adamw_state
@@ -59,7 +60,14 @@ def check_hyperparameters(lr: float, betas: tuple[float, float], eps: float, wei
 
 
 class AdamWShell:
-    """Subclasses provide the entries, ``step()`` and ``zero_grad()``."""
+    """Subclasses provide the entries, ``step()`` and ``zero_grad()``.
+
+    The update itself (``update_weights``) is torch's fused AdamW over ``self.inner``, then a
+    copy of the fp32 main weights into the bf16/fp16 model weights. On CUDA with main weights
+    for every entry (contiguous bf16/fp16 model storage) and triton installed, it is instead
+    one Triton kernel per tensor that does both in one pass over memory, with torch's
+    arithmetic and torch's optimizer state (``triton_adamw``; ``MTL_TORCH_ADAMW=1`` forces
+    the torch path)."""
 
     is_dp_sharded = False
 
@@ -81,6 +89,7 @@ class AdamWShell:
             [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=lr, betas=tuple(betas), eps=eps, fused=True if self.fused else None,
         )
+        self.uses_triton_adamw = triton_adamw.supports(entries)
 
     @property
     def has_main_params(self) -> bool:
@@ -99,6 +108,24 @@ class AdamWShell:
         pairs = [(e.model_view, e.piece) for e in self.entries if e.model_view is not None]
         if pairs:
             torch._foreach_copy_([m for m, _ in pairs], [p.detach().view_as(m) for m, p in pairs])
+
+    @torch.no_grad()
+    def update_weights(self) -> None:
+        """The local update: AdamW on this rank's pieces (with ``clip_and_step``'s grad_scale
+        and found_inf), and the new main weights into the model weights."""
+        grad_scale = getattr(self.inner, "grad_scale", None)
+        found_inf = getattr(self.inner, "found_inf", None)
+        if self.uses_triton_adamw and self._triton_can_step():
+            triton_adamw.adamw_step(self.inner, self.entries, grad_scale, found_inf)
+        else:
+            self.inner.step()
+            self.copy_main_to_model()
+
+    def _triton_can_step(self) -> bool:
+        # Settings the kernel does not implement (possibly restored by load_state_dict), and a
+        # tensor LR (reading it on the host would wait for the device): torch's path.
+        return all(not isinstance(g["lr"], torch.Tensor) and not g.get("amsgrad") and not g.get("maximize")
+                   for g in self.inner.param_groups)
 
     def publish_main_weights(self) -> None:
         """Make every model weight equal its (loaded or updated) main weight on every rank."""

@@ -10,6 +10,8 @@ the same experts (``edp_cp``): each expert's state is split over its replicas on
                                                 updates the parameter in place)
     piece.grad                                = grad_data[a:b]
     AdamW(pieces)                               state: 2 x (1/N of the model) per rank
+                                                (with bf16/fp16 weights on CUDA: the one-pass
+                                                Triton AdamW, which writes the model shard too)
     all-gather each bucket's param shard        every rank has full parameters again
 
 The weight-decay rule is decided per whole parameter (``param_groups.py``), as the
@@ -71,8 +73,9 @@ class DistributedOptimizer(AdamWShell):
             # With overlap_param_gather a bucket no forward touched may still be gathering
             # last step's update into the shard this step writes.
             chunk.finish_param_sync()
-        self.inner.step()
-        self.publish_main_weights()
+        self.update_weights()  # this rank's shard: AdamW and main -> model weights (see AdamWShell)
+        for chunk in self.chunks:
+            chunk.gather_params()  # returns at once with overlap_param_gather: forwards wait
 
     def publish_main_weights(self) -> None:
         """This rank's updated shard into the weights, then the all-gather that spreads every

@@ -27,8 +27,10 @@ def _chunk_entries(chunks: list[nn.Module]) -> list[StateEntry]:
 
 
 class ReplicatedOptimizer(AdamWShell):
-    """torch AdamW (fused) over every parameter of ``chunks`` (plain modules or
-    ``DataParallel`` wrappers), with the weight-decay groups of ``param_groups.py``."""
+    """AdamW over every parameter of ``chunks`` (plain modules or ``DataParallel`` wrappers),
+    with the weight-decay groups of ``param_groups.py``: torch's fused AdamW, or on CUDA with
+    bf16/fp16 weights the one-pass Triton kernel that also writes the model weights
+    (``AdamWShell.update_weights``)."""
 
     def __init__(self, chunks: list[nn.Module], topology: Topology, *, lr: float,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0) -> None:
@@ -40,8 +42,7 @@ class ReplicatedOptimizer(AdamWShell):
         for chunk in self.chunks:
             if isinstance(chunk, DataParallel):
                 chunk.finish_grad_sync()  # a no-op when the training loop already did it
-        self.inner.step()
-        self.copy_main_to_model()
+        self.update_weights()  # AdamW and main -> model weights (one Triton pass on CUDA, see AdamWShell)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for chunk in self.chunks:
