@@ -138,12 +138,12 @@ def adamw_step(optimizer: torch.optim.AdamW, entries, grad_scale: torch.Tensor |
         todo = [by_piece[p] for p in group["params"] if p.grad is not None]
         if not todo:
             continue
-        for e in todo:
-            g = e.piece.grad
-            if g.dtype != torch.float32 or not g.is_contiguous() or g.shape != e.piece.shape:
-                raise ValueError(f"{e.name}: the one-pass AdamW needs a contiguous fp32 gradient shaped like its "
-                                 f"main weight, got {g.dtype} {tuple(g.shape)}")
         states = [ensure_adamw_state(optimizer, e.piece) for e in todo]
+        for e, st in zip(todo, states):  # the kernel indexes every tensor as flat, dense fp32
+            for what, t in (("gradient", e.piece.grad), ("exp_avg", st["exp_avg"]), ("exp_avg_sq", st["exp_avg_sq"])):
+                if t.dtype != torch.float32 or not t.is_contiguous() or t.shape != e.piece.shape:
+                    raise ValueError(f"{e.name}: the one-pass AdamW needs a contiguous fp32 {what} shaped like "
+                                     f"its main weight, got {t.dtype} {tuple(t.shape)}")
         steps = [st["step"] for st in states]
         torch._foreach_add_(steps, 1)  # as torch: count first, subtract found_inf afterwards
         beta1, beta2 = group["betas"]
