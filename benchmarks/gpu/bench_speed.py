@@ -374,13 +374,16 @@ def _bench_keys(sets: list[str]) -> list[str]:
         elif key.strip().startswith("bench.env."):  # e.g. bench.env.MTL_FP8_WEIGHT_CACHE=0
             os.environ[key.strip()[len("bench.env."):]] = value.strip().strip("'\"")
         elif key.strip() == "bench.compile_mode":
-            import functools
-
             import torch
 
-            # mtl's compile_regions, each region compiled with this torch.compile mode
-            torch.nn.Module.compile = functools.partialmethod(torch.nn.Module.compile,
-                                                              mode=value.strip().strip("'\""))
+            # mtl's compile_regions, each region compiled with this torch.compile mode (torch.compile
+            # takes a mode or options, not both: mtl's inductor options are dropped)
+            mode, plain_compile = value.strip().strip("'\""), torch.nn.Module.compile
+
+            def compile_in_mode(module, *args, options=None, **kwargs):
+                return plain_compile(module, *args, mode=mode, **kwargs)
+
+            torch.nn.Module.compile = compile_in_mode
         elif key.strip() == "bench.swiglu":
             # autograd: SwiGLU as it was before mtl.models.swiglu (autograd's backward through
             # the chunk, which inductor writes as one pointwise concatenation)

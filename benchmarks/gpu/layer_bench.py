@@ -1,7 +1,7 @@
 """One transformer layer of the reference model, forward + backward, compiled: mtl's layer
 against the plain-PyTorch peer's block, with the kernels of each (issue 11).
 
-    python3 benchmarks/gpu/layer_bench.py [--variants base rope-qkv no-rope peer] [--out FILE]
+    python3 benchmarks/gpu/layer_bench.py [--variants base rope-qkv no-rope peer] [--inductor NAME=VALUE] [--out FILE]
 
 The step's time is 192 layer calls (24 layers x 8 micro-batches) plus the head, loss and
 optimizer, so a per-layer difference of 0.1 ms is 19 ms per step. Each variant builds the
@@ -99,6 +99,21 @@ def peer_block(sets: list[str]):
     return call
 
 
+def set_inductor(items: list[str]) -> None:
+    import ast
+    import functools
+
+    import torch._inductor.config as inductor_config
+
+    for item in items:
+        name, value = item.split("=", 1)
+        *path, leaf = name.split(".")
+        owner = functools.reduce(getattr, path, inductor_config)
+        if not hasattr(owner, leaf):
+            raise SystemExit(f"--inductor {item!r}: torch._inductor.config has no {name!r}")
+        setattr(owner, leaf, ast.literal_eval(value))
+
+
 def sync() -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
@@ -122,6 +137,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--inductor", action="append", default=[], metavar="NAME=VALUE",
+                        help="set torch._inductor.config.NAME (dotted, VALUE a Python literal) before compiling")
     args = parser.parse_args()
     from profile_step import gemm_table, kernel_table, profile_steps
 
@@ -130,10 +147,12 @@ def main() -> None:
 
         for v in args.variants:
             cmd = [sys.executable, __file__, "--variants", v, "--iters", str(args.iters), "--rows", str(args.rows),
-                   *(f"--set={s}" for s in args.sets), *(["--out", f"{args.out}.{v}"] if args.out else [])]
+                   *(f"--set={s}" for s in args.sets), *(f"--inductor={i}" for i in args.inductor),
+                   *(["--out", f"{args.out}.{v}"] if args.out else [])]
             subprocess.run(cmd, check=False)
         return
     variant = args.variants[0]
+    set_inductor(args.inductor)
     call = peer_block(args.sets) if variant == "peer" else mtl_layer(variant, args.sets)
     ms = timed(call, args.iters)
     prof = profile_steps(call, warmup=1, steps=5, record_shapes=True)

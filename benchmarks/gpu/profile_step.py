@@ -223,7 +223,7 @@ def kernel_table(prof, steps: int, rows: int = 20, title: str = "") -> str:
     for i, (name, count, t) in enumerate(timed[:rows], 1):
         short = name.replace("|", "\\|")
         short = short if len(short) <= 110 else short[:107] + "..."
-        lines.append(f"| {i} | `{short}` | {count / steps:g} | {t / steps / 1e3:.2f} | {100 * t / total:.1f}% |")
+        lines.append(f"| {i} | `{short}` | {count / steps:g} | {t / steps / 1e3:.3f} | {100 * t / total:.1f}% |")
     # Host synchronisation (the "one per logging interval"): a .item()/.tolist() is
     # aten::_local_scalar_dense; the CUDA runtime's synchronising calls are recorded on the CPU.
     syncs = {name: 0 for name in SYNC_EVENTS}
@@ -242,7 +242,7 @@ def kernel_table(prof, steps: int, rows: int = 20, title: str = "") -> str:
         by_cat[category(name)] = by_cat.get(category(name), 0.0) + t
     lines += ["", "| category | ms/step | % |", "|---|---|---|"]
     for label, t in sorted(by_cat.items(), key=lambda kv: kv[1], reverse=True):
-        lines.append(f"| {label} | {t / steps / 1e3:.2f} | {100 * t / total:.1f}% |")
+        lines.append(f"| {label} | {t / steps / 1e3:.3f} | {100 * t / total:.1f}% |")
     return "\n".join(lines).lstrip() + "\n"
 
 

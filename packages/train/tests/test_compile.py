@@ -71,3 +71,24 @@ def test_compiled_layout_equals_eager_one_process(name, eager_reference):
         else:
             assert breaks == {}, f"rank {rank}: {breaks}"
         assert result["layer_graphs"] == 1, f"rank {rank}: the layer traced {result['layer_graphs']} times"
+
+
+def test_norm_grad_split_is_about_one_per_sm():
+    """Rows per split of a norm's weight-gradient sum: the largest power of two <= tokens / SMs,
+    within [16, 128] (the H100 reference layer: 8192 tokens, 132 SMs -> 32 rows, 256 splits)."""
+    from mtl.train.compile import norm_grad_split_rows
+
+    assert norm_grad_split_rows(8192, 132) == 32
+    assert norm_grad_split_rows(16384, 132) == 64
+    assert norm_grad_split_rows(2048, 132) == 16  # 15 per SM: not below inductor's own floor
+    assert norm_grad_split_rows(1 << 20, 132) == 128
+
+
+def test_inductor_options_only_touch_cuda_codegen():
+    import torch
+
+    from mtl.train.compile import OVERLAP_LAYER_COMM, inductor_options
+
+    cpu = torch.device("cpu")
+    assert inductor_options(overlap_comm=False, tokens_per_call=8192, device=cpu) is None
+    assert inductor_options(overlap_comm=True, tokens_per_call=8192, device=cpu) == OVERLAP_LAYER_COMM

@@ -13,6 +13,7 @@ on the module it builds; a model without one is compiled whole.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from mtl.core.log import get_logger
@@ -36,15 +37,36 @@ def compile_units(model: nn.Module) -> list[nn.Module]:
 OVERLAP_LAYER_COMM = {"reorder_for_peak_memory": False}
 
 
-def compile_regions(chunks: list[nn.Module], overlap_comm: bool = False) -> int:
+# A norm's weight gradient sums dy * x_hat over every token of the layer call. Inductor computes
+# it in the kernel that computes the input gradient (a "mix order reduction"): each program
+# sums a split of rows into an fp32 workspace [splits, hidden], and an eager ``sum(dim=0)`` over
+# the splits finishes it. Its default split is sized for 8 programs per SM (16 rows at 8192
+# tokens on an H100: 512 splits), and that final sum then costs more than the kernel saved: on
+# the reference layer (8192 tokens, hidden 2048, one H100) kernel + sum per layer call take
+# 0.117 ms at 16 rows, 0.093 at 32, 0.096 at 64 and 0.113 at 128 (benchmarks/RESULTS.md).
+# About one split per SM is the best: the largest power of two <= tokens / SMs, within [16, 128].
+def norm_grad_split_rows(tokens_per_call: int, sm_count: int) -> int:
+    """Rows per split of a norm weight gradient's first stage (``mix_order_reduction_split_size``)."""
+    per_sm = max(tokens_per_call // max(sm_count, 1), 1)
+    return min(max(1 << (per_sm.bit_length() - 1), 16), 128)
+
+
+def inductor_options(*, overlap_comm: bool, tokens_per_call: int, device: torch.device) -> dict | None:
+    """This run's inductor options for every compiled region (None: inductor's defaults)."""
+    options = dict(OVERLAP_LAYER_COMM) if overlap_comm else {}
+    if device.type == "cuda":
+        sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+        options["triton.mix_order_reduction_split_size"] = norm_grad_split_rows(tokens_per_call, sm_count)
+    return options or None
+
+
+def compile_regions(chunks: list[nn.Module], options: dict | None = None) -> int:
     """Compile every unit of every model chunk in place; returns how many were compiled.
-    ``overlap_comm``: keep the units' collectives where their code starts and waits on them
-    (``OVERLAP_LAYER_COMM``, this compile's inductor options only).
+    ``options``: inductor options for these compiles only (``inductor_options``).
 
     The first step pays the compilation (once per distinct layer shape: the units of a stack
     share one graph); later steps reuse it. Inductor caches compiled graphs on disk, so a
     restarted run compiles faster."""
-    options = dict(OVERLAP_LAYER_COMM) if overlap_comm else None
     count = 0
     for chunk in chunks:
         for unit in compile_units(chunk):
