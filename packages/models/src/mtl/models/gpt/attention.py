@@ -21,6 +21,7 @@ from mtl.core.spec import build_module
 from mtl.models.gpt.inference_context import InferenceContext
 from mtl.models.gpt.recompute import checkpointed
 from mtl.models.gpt.rope import apply_rotary
+from mtl.models.gpt.rope_qkv import rotary_qkv
 from mtl.models.initialization import tag_weights
 
 
@@ -111,16 +112,20 @@ class SelfAttention(nn.Module):
         qkv = self.linear_qkv(hidden)  # [s, b, local_groups * (heads_per_group + 2) * d]
         s, b = qkv.shape[0], qkv.shape[1]
         qkv = qkv.view(s, b, self.local_groups, self.heads_per_group + 2, self.head_dim)
-        query = qkv[:, :, :, : self.heads_per_group].reshape(s, b, self.local_heads, self.head_dim)
-        key = qkv[:, :, :, self.heads_per_group]  # [s, b, local_groups, d]
-        value = qkv[:, :, :, self.heads_per_group + 1]
-        if self.q_norm is not None:
-            query, key = self.q_norm(query), self.k_norm(key)
-        # sequence-first -> batch-first, the core attention's layout: [b, s, heads, d]
-        query, key, value = (t.transpose(0, 1) for t in (query, key, value))
-        if rotary is not None:
-            cos, sin = rotary
-            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        if rotary is not None and self.q_norm is None:
+            # the same numbers as the path below, with a backward that writes qkv's gradient in one pass
+            query, key, value = rotary_qkv(qkv, *rotary)
+        else:
+            query = qkv[:, :, :, : self.heads_per_group].reshape(s, b, self.local_heads, self.head_dim)
+            key = qkv[:, :, :, self.heads_per_group]  # [s, b, local_groups, d]
+            value = qkv[:, :, :, self.heads_per_group + 1]
+            if self.q_norm is not None:
+                query, key = self.q_norm(query), self.k_norm(key)
+            # sequence-first -> batch-first, the core attention's layout: [b, s, heads, d]
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+            if rotary is not None:  # QK-norm: rotate the normalised query and key
+                cos, sin = rotary
+                query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         if inference_context is not None:
             # [b, s, groups, d] -> all cached tokens [b, offset + s, groups, d]; the backend's
             # attention aligns the causal mask to the end when s_q < s_kv
