@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -25,12 +26,16 @@ RUNS = {  # --runs NAME ...: the first chosen run is the one the others are comp
     "compile": ("compile, bf16 weights + fp32 main", ["train.compile=true"]),
     "eager": ("eager, bf16 weights + fp32 main", ["train.compile=false"]),
     "autocast": ("compile, fp32 weights under autocast", ["train.compile=true", "train.params_dtype=fp32"]),
+    # torch's fused AdamW + main -> model copy instead of mtl's one-pass Triton AdamW (ENV below)
+    "torch-adamw": ("compile, torch's fused AdamW", ["train.compile=true"]),
     # issue 7: the backends (mtl-quant must be installed for fp8, mtl-te and TE for te)
     "fp8-current": ("fp8 current scaling, compiled", ["model.backend='fp8'", "train.fp8='current'", "train.compile=true"]),
     "fp8-rowwise": ("fp8 row-wise, compiled", ["model.backend='fp8'", "train.fp8='rowwise'", "train.compile=true"]),
     "te": ("te bf16", ["model.backend='te'", "train.compile=false"]),
     "te-fp8": ("te FP8 delayed", ["model.backend='te'", "train.fp8='delayed'", "train.compile=false"]),
 }
+
+ENV = {"torch-adamw": {"MTL_TORCH_ADAMW": "1"}}  # environment of a run, restored after it
 
 
 def prepare_tokens(work: Path, num_docs: int) -> str:
@@ -78,10 +83,18 @@ def main() -> None:
         curves = {}
         for key in args.runs:
             name, overrides = RUNS[key]
+            saved = {k: os.environ.get(k) for k in ENV.get(key, {})}
+            os.environ.update(ENV.get(key, {}))
             try:
                 curves[name] = run(name, [*overrides, *args.sets], prefix, args, work)
             except Exception as exc:  # report it; compare the runs that finished
                 print(f"{name}: failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k)
+                    else:
+                        os.environ[k] = v
     steps = [1, *range(args.every, args.iters + 1, args.every)]
     names = list(curves)
     lines = ["| step | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
