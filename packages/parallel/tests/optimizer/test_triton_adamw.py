@@ -7,9 +7,10 @@ change, step counts included). A second copy of the weights steps with torch's
 ``AdamW(fused=True)`` given the same grad_scale/found_inf, then copies main -> bf16.
 
 On CUDA the kernel follows torch's CUDA formula, but torch 2.11's kernel rounds some
-intermediate terms elsewhere (on an H100 the weights differed by up to 64 ulps on small
-weights: a few millionths of a step's size). So the weights must agree within a millionth of
-the step's size (lr) plus one rounding, the moments within fp32 rounding of their values.
+intermediate terms elsewhere (on an H100: weights up to 64 ulps apart where they are small,
+moments up to 1.4e-8 apart where a moment is a cancellation of larger terms). So the weights
+must agree within a millionth of the step's size (lr) plus one rounding, the moments within a
+millionth of their largest value.
 The bf16 weights must equal the main weights rounded to nearest even, exactly.
 
 Without a GPU the kernel runs in Triton's interpreter on CPU tensors:
@@ -152,8 +153,9 @@ def test_clip_and_step_matches_torch_fused_adamw(dtype):
                 # weight; the moments within fp32 rounding of their own values.
                 update_error = ((e.piece - r).abs() - ulp(r)).clamp(min=0).max().item() / lr
                 assert update_error <= 1e-6, (step, name, update_error)
-                for moment in ("exp_avg", "exp_avg_sq"):
-                    torch.testing.assert_close(state[moment], ref_state[moment], rtol=1e-6, atol=1e-12)
+                for moment in ("exp_avg", "exp_avg_sq"):  # (a moment near 0 is a cancellation of larger terms)
+                    scale = ref_state[moment].abs().max().item()
+                    torch.testing.assert_close(state[moment], ref_state[moment], rtol=1e-6, atol=1e-6 * scale)
             assert e.model_view.dtype == dtype
             assert torch.equal(e.model_view, e.piece.detach().to(dtype)), (step, name)  # torch's rounding
 
