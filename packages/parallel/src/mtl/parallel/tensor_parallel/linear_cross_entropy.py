@@ -103,12 +103,9 @@ def _chunk_stats(logits: torch.Tensor, target_local: torch.Tensor, owned: torch.
     the target's logit where ``owned`` else 0), both [c] fp32."""
     tgt = logits.gather(-1, target_local.unsqueeze(-1)).squeeze(-1).float().masked_fill(~owned, 0.0)
     real = logits[:, :num_real].float()
-    # Written as inductor's softmax pattern (amax and sum with keepdim): compiled on a GPU it
-    # becomes one online max-and-sum pass over the logits, not a pass for the max and another
-    # for the sum (147 µs per 2048 x 50304 bf16 chunk on an H100 with two passes).
-    row_max = real.amax(dim=-1, keepdim=True)
-    lse = torch.log(torch.exp(real - row_max).sum(dim=-1, keepdim=True)) + row_max
-    return lse.squeeze(-1), tgt
+    row_max = real.amax(dim=-1)
+    lse = torch.log(torch.exp(real - row_max.unsqueeze(-1)).sum(dim=-1)) + row_max
+    return lse, tgt
 
 
 def _chunk_stats_eager(logits, target_local, owned, num_real):
