@@ -9,8 +9,8 @@ The arithmetic follows the CUDA source of torch's fused AdamW (``_fused_adamw_``
 writing: the terms it computes in double (the decoupled weight decay, both moment updates,
 the step size and ``+ eps``) are computed in fp64 here too, the rest in fp32 with IEEE-rounded
 division and square root. torch 2.11's kernel rounds some of those terms elsewhere: on an H100
-the weights agree with it within a millionth of the step size (lr) plus one rounding, the
-moments within a millionth of their largest value (tests/optimizer/test_triton_adamw.py). The optimizer state stays torch's own
+the weights agree with it within a few ulps (2 after four steps), the moments within a
+millionth of their largest value (tests/optimizer/test_triton_adamw.py). The optimizer state stays torch's own
 (``inner.state[piece]``: ``exp_avg``, ``exp_avg_sq``, a float32 ``step`` on the device), so
 state dicts and checkpoints do not change. ``grad_scale``/``found_inf`` behave as in torch:
 gradients are divided by ``grad_scale``; ``found_inf`` == 1 leaves weights, moments and step
