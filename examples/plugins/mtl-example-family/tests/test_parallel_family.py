@@ -48,7 +48,7 @@ def test_the_model_is_gpts_with_the_parallel_layer_and_follows_the_contract():
     model = build(cfg)
     assert isinstance(model, LanguageModel)
     assert all(type(layer) is ParallelTransformerLayer for layer in model.layers.values())
-    assert len(model.compile_units()) == cfg.model.num_layers
+    assert len(model.compile_units()) == cfg.model.num_layers + 1  # each layer and the final norm
     # every parameter says how it starts: initialisation guesses nothing from this layer's names
     untagged = [e.global_name for e in parameter_entries(model, Topology.single())
                 if getattr(e.param, "init_kind", None) not in INIT_KINDS]
