@@ -43,8 +43,8 @@ class LanguageModel(Protocol):
       continue from its offset when ``position_ids`` is ``None``.
     - ``set_input_tensor(tensor)``: the hidden states a later pipeline stage starts from,
       called by the schedule before each ``forward``.
-    - ``compile_units() -> list[nn.Module]``: the repeated modules ``train.compile`` compiles
-      one region each (the transformer layers).
+    - ``compile_units() -> list[nn.Module]``: the modules ``train.compile`` compiles, one
+      region each (GPT: the transformer layers, which share one graph, and the final norm).
     - optional, ``capture_cuda_graphs(micro_batch_size) -> int``: capture the layers'
       training forward and backward as CUDA graphs (``train.cuda_graphs``; a family without
       it gets a clear error when the key is set).
