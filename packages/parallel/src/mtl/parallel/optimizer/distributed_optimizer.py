@@ -74,13 +74,15 @@ class DistributedOptimizer(AdamWShell):
             # last step's update into the shard this step writes.
             chunk.finish_param_sync()
         self.update_weights()  # this rank's shard: AdamW and main -> model weights (see AdamWShell)
-        for chunk in self.chunks:
-            chunk.gather_params()  # returns at once with overlap_param_gather: forwards wait
+        self._gather_params()
 
     def publish_main_weights(self) -> None:
         """This rank's updated shard into the weights, then the all-gather that spreads every
         shard (returns at once with overlap_param_gather: forwards wait)."""
         self.copy_main_to_model()
+        self._gather_params()
+
+    def _gather_params(self) -> None:
         for chunk in self.chunks:
             chunk.gather_params()  # returns at once with overlap_param_gather: forwards wait
 
