@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Several GPUs of one host, bf16, the Llama-style reference model (llama_reference.toml):
 # first how the GPUs are linked and how fast (link_bandwidth.py; LINK=0 skips), then
-# one GPU, then every two-way layout (dp, tp+sp, pp, pp interleaved, cp) or, on 4 GPUs, dp=4 and tp=2 x dp=2;
+# one GPU, then every two-way layout (dp, tp+sp, pp, pp interleaved, cp; with FA4 installed also one GPU
+# and tp=2+sp on it) or, on 4 GPUs, dp=4 and tp=2 x dp=2;
 # (SHORT=0 skips these); then cp=2 at sequence 8192 against one GPU at 8192 (LONG=0 skips); then the MoE reference
 # (moe_reference.toml) on one GPU and at ep=2 (MOE=0 skips).
 # Run from the repository root on the GPU machine: bash benchmarks/gpu/bench_multi_gpu.sh
@@ -47,6 +48,13 @@ if [ "$SHORT" = 1 ]; then
     run pp2_vpp2 2 --set parallel.pp=2 --set parallel.vpp=2
     run cp2 2 --set parallel.cp=2  # compiled at cp=2 the config picks k/v all-gathered
     run cp2_ring 2 --set parallel.cp=2 --set parallel.cp_comm_type=p2p
+    # FlashAttention-4 behind SDPA, where installed (benchmarks/gpu/fa4_install.sh, carry .whl/fa4): its
+    # Python launches cost ~0.7 ms of host per forward + backward (fa4_host_profile.py), which a
+    # host-bound tp=2 rank may not hide
+    if python3 -c "import flash_attn.cute.interface" 2>/dev/null; then
+      run gpu1_fa4 1 --set "train.attention_kernel='fa4'"
+      run tp2_sp_fa4 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set "train.attention_kernel='fa4'"
+    fi
   fi
 fi
 # cp at a sequence it is meant for: 8192 tokens, one sequence per micro-batch (the same 65,536
