@@ -20,6 +20,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 HERE = Path(__file__).resolve().parent
 RUNS = {  # --runs NAME ...: the first chosen run is the one the others are compared with
@@ -83,18 +84,11 @@ def main() -> None:
         curves = {}
         for key in args.runs:
             name, overrides = RUNS[key]
-            saved = {k: os.environ.get(k) for k in ENV.get(key, {})}
-            os.environ.update(ENV.get(key, {}))
             try:
-                curves[name] = run(name, [*overrides, *args.sets], prefix, args, work)
+                with mock.patch.dict(os.environ, ENV.get(key, {})):
+                    curves[name] = run(name, [*overrides, *args.sets], prefix, args, work)
             except Exception as exc:  # report it; compare the runs that finished
                 print(f"{name}: failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k)
-                    else:
-                        os.environ[k] = v
     steps = [1, *range(args.every, args.iters + 1, args.every)]
     names = list(curves)
     lines = ["| step | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]

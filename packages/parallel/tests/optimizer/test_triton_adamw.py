@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from mtl.parallel.optimizer import ReplicatedOptimizer, triton_adamw
+from mtl.parallel.optimizer.adamw_shell import StateEntry
 from mtl.parallel.optimizer.grad_norm import CLIP_EPS
 from mtl.parallel.topology import Topology
 
@@ -175,12 +176,7 @@ def test_bf16_rounding_of_ties_and_specials():
     piece.grad = torch.zeros_like(values)
     model = torch.empty(values.shape, dtype=torch.bfloat16, device=DEVICE)
     opt = torch.optim.AdamW([piece], lr=0.0, weight_decay=0.0, fused=True)
-
-    class Entry:
-        pass
-
-    e = Entry()
-    e.piece, e.model_view, e.name = piece, model, "x"
+    e = StateEntry(piece, piece, "x", 0, model_view=model)
     triton_adamw.adamw_step(opt, [e])  # lr 0: the weights stay, and are rounded into `model`
     expected = values.to(torch.bfloat16)
     nan = values.isnan()  # NaN bit patterns differ between torch's CPU and CUDA conversions
