@@ -1,11 +1,15 @@
 """``swiglu``: the forward is ``silu(gate) * up``, the one-pass backward gives autograd's gradient
 (against float64 autograd), on the CPU and, on a GPU, in its Triton kernel, eager and compiled,
-with no graph break."""
+with no graph break. The kernel itself also runs on the CPU in Triton's interpreter
+(``MTL_TEST_TRITON_INTERPRET=1 TRITON_INTERPRET=1`` with triton importable; tests/test_triton_interpreted.py)."""
+
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import mtl.models.swiglu as swiglu_module
 from mtl.models.swiglu import swiglu, swiglu_backward
 
 
@@ -68,3 +72,20 @@ def test_no_tokens(device):
     fc1_out = torch.randn(0, 2 * 48, device=device, dtype=torch.bfloat16, requires_grad=True)
     swiglu(fc1_out).sum().backward()
     assert fc1_out.grad.shape == (0, 96)
+
+
+@pytest.mark.skipif(not (os.environ.get("MTL_TEST_TRITON_INTERPRET") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+                         and swiglu_module.triton is not None),
+                    reason="the Triton kernel on the CPU needs MTL_TEST_TRITON_INTERPRET=1, TRITON_INTERPRET=1 and triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernel_in_the_interpreter_matches_the_formula(dtype):
+    torch.manual_seed(2)
+    # ffn 1100: the second block of each row is partly masked; 0 rows: an expert with no tokens
+    for rows in (7, 0):
+        fc1_out = (3 * torch.randn(rows, 2 * 1100)).to(dtype)
+        grad = torch.randn(rows, 1100).to(dtype)
+        got = swiglu_module._backward_triton(fc1_out, grad)
+        want = swiglu_module._backward_reference(fc1_out, grad)
+        assert got.shape == fc1_out.shape and got.dtype == dtype
+        # the same fp32 formula rounded once; the interpreter's sigmoid may differ in the last fp32 bits
+        torch.testing.assert_close(got, want, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-6)

@@ -54,11 +54,8 @@ if triton is not None:
         tl.store(dx_ptr + gate_at + ffn, d_up.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-@torch.library.custom_op("mtl::swiglu_backward", mutates_args=())
-def swiglu_backward(fc1_out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """The gradient of ``fc1_out [..., 2 * ffn]`` from the gradient of ``silu(gate) * up [..., ffn]``."""
-    if triton is None or not fc1_out.is_cuda:
-        return _backward_reference(fc1_out, grad)
+def _backward_triton(fc1_out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The Triton launch (no device guard, so the interpreter can run it on CPU tensors)."""
     fc1_out, grad = fc1_out.contiguous(), grad.contiguous()
     ffn = grad.shape[-1]
     rows = grad.numel() // ffn
@@ -66,9 +63,17 @@ def swiglu_backward(fc1_out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     if rows == 0:  # an expert that received no tokens
         return out
     block = 1024
-    with torch.cuda.device(fc1_out.device):
-        _swiglu_backward_kernel[(rows, triton.cdiv(ffn, block))](fc1_out, grad, out, ffn, BLOCK=block, num_warps=4)
+    _swiglu_backward_kernel[(rows, triton.cdiv(ffn, block))](fc1_out, grad, out, ffn, BLOCK=block, num_warps=4)
     return out
+
+
+@torch.library.custom_op("mtl::swiglu_backward", mutates_args=())
+def swiglu_backward(fc1_out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``fc1_out [..., 2 * ffn]`` from the gradient of ``silu(gate) * up [..., ffn]``."""
+    if triton is None or not fc1_out.is_cuda:
+        return _backward_reference(fc1_out, grad)
+    with torch.cuda.device(fc1_out.device):
+        return _backward_triton(fc1_out, grad)
 
 
 @swiglu_backward.register_fake
