@@ -6,6 +6,9 @@ For each projection (qkv, attention output, fc1, fc2) it times the forward (``x 
 input gradient (``dy @ W``) and the weight gradient accumulated into an fp32 ``main_grad``
 (``addmm(main_grad, dyᵀ, x, out_dtype=fp32)``, mtl's fusion), and prints µs per call and
 TFLOP/s. A GEMM far below the others' rate is one a different kernel or layout could speed up.
+``--memsets`` instead lists, per GEMM and library, the kernels one call launches (cuBLAS's own
+memsets included: the step's profile shows about one ``Memset (Device)`` per GEMM), so that a
+cuBLAS setting (``CUBLAS_WORKSPACE_CONFIG``, ...) can be tried in a process of its own.
 Shapes are the reference model's (``llama_reference.toml`` as mtl resolves it: hidden 2048,
 SwiGLU width 5440); tokens default to one micro-batch (4 x 2048).
 """
@@ -17,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from profile_step import cuda_ms_per_call
+from profile_step import cuda_ms_per_call, kernels_per_call
 
 REFERENCE = Path(__file__).resolve().parent / "llama_reference.toml"
 
@@ -51,8 +54,23 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--memsets", action="store_true", help="the kernels of one call, memsets included")
     a = parser.parse_args()
     libraries = ["cublas", "cublaslt"]
+    if a.memsets:
+        for name, n_out, n_in in cases():
+            for label, _, fn in rows_for(a.tokens, name, n_out, n_in):
+                for lib in libraries:
+                    torch.backends.cuda.preferred_blas_library(lib)
+                    try:
+                        kernels = kernels_per_call(fn, calls=10)
+                    except RuntimeError as err:
+                        print(f"{label} [{lib}]: error {str(err).splitlines()[0][:60]}")
+                        continue
+                    shown = "; ".join(f"{k[:48]} x{n} {ms * 1e3:.1f} µs" for k, ms, n in kernels)
+                    print(f"{label} [{lib}]: {shown}", flush=True)
+        torch.backends.cuda.preferred_blas_library("cublas")
+        return
     print("| GEMM | " + " | ".join(f"{lib} µs | {lib} TFLOP/s" for lib in libraries) + " |")
     print("|---|" + "---|---|" * len(libraries))
     for name, n_out, n_in in cases():

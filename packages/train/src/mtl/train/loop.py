@@ -21,6 +21,7 @@ from mtl.ckpt import latest_iteration, prune_checkpoints
 from mtl.ckpt.directory import iteration_dir
 from mtl.train.checkpointing import (checkpoint_format, has_checkpoint, load_checkpoint, save_checkpoint,
                                      starting_checkpoint)
+from mtl.train.garbage_collection import ManualGC
 from mtl.train.health import LossWatch, NonFiniteError, out_of_memory_error
 from mtl.train.lr_schedule import learning_rate
 from mtl.train.metrics import throughput
@@ -176,7 +177,7 @@ def train(config: RunConfig, progress: bool = True) -> TrainResult:
     watch = LossWatch(run.chunks, run.topology.is_last_stage, run.device)
     last_saved, last_save_time = iteration, time.monotonic()
     try:
-        with StopRequest(announce=rank0) as stop:
+        with StopRequest(announce=rank0) as stop, ManualGC(t.gc_interval) as collector:
             micro = train_batches.take(t.num_micro_batches) if iteration < t.iters else []
             data_error = None  # reading the next step's batches failed: raised when that step starts
             while iteration < t.iters:
@@ -197,6 +198,7 @@ def train(config: RunConfig, progress: bool = True) -> TrainResult:
                         raise
                     except Exception as exc:  # noqa: BLE001 - re-raised unchanged before the next step
                         data_error = exc
+                    collector.maybe_collect(iteration + 1)  # while the device works on this step
                     step = pending.result()
                 except torch.cuda.OutOfMemoryError as exc:
                     raise out_of_memory_error(cfg, exc, iteration + 1, run.topology.rank) from exc

@@ -1,0 +1,93 @@
+"""``train.gc_interval``: during ``train()`` Python's automatic collector is off, a reference
+cycle dropped in one step is collected at the next multiple of the interval (not before), and
+the collector is back on after the run; ``gc_interval = 0`` leaves it automatic."""
+
+import gc
+import weakref
+
+import pytest
+
+from mtl.core import plugins
+from mtl.core.config_io import load_config
+from mtl.core.hookspecs import hookimpl
+from mtl.train.garbage_collection import ManualGC
+from mtl.train.loop import train
+from mtl.train.testing import TINY
+
+
+class Cycle:
+    def __init__(self):
+        self.me = self  # only the cycle collector frees it
+
+
+class GCWatch:
+    """A train callback that records, at each logged step, whether the collector is on and
+    whether the cycle it dropped at step 1 is still alive."""
+
+    def __init__(self):
+        self.seen: dict[int, tuple[bool, bool]] = {}
+        self.cycle = None
+
+    def build(self, config):
+        watch = self
+
+        class Sink:
+            def on_step(self, step, metrics):
+                if step == 1:
+                    watch.cycle = weakref.ref(Cycle())  # garbage at once, but in a cycle
+                watch.seen[step] = (gc.isenabled(), watch.cycle() is not None)
+
+            def on_eval(self, step, metrics):
+                pass
+
+            def close(self):
+                pass
+
+        return Sink()
+
+    @hookimpl
+    def mtl_train_callbacks(self):
+        from mtl.core.registrations import TrainCallback
+
+        return [TrainCallback("gc_watch", self.build)]
+
+
+def run_with_watch(gc_interval: int) -> dict[int, tuple[bool, bool]]:
+    watch = GCWatch()
+    plugins.register_plugin(watch, name="gc-watch")
+    try:
+        overrides = [o for o in TINY if not o.startswith("train.iters")]
+        train(load_config(None, [*overrides, "train.iters=4", f"train.gc_interval={gc_interval}",
+                                 "logging.callbacks=['gc_watch']"]), progress=False)
+    finally:
+        plugins.unregister_plugin(watch)
+    return watch.seen
+
+
+def test_the_collector_runs_at_the_interval_and_is_restored():
+    assert gc.isenabled()
+    seen = run_with_watch(gc_interval=3)
+    # off all run long; the cycle of step 1 lives through step 2 and goes in step 3's collection
+    assert seen == {1: (False, True), 2: (False, True), 3: (False, False), 4: (False, False)}
+    assert gc.isenabled()
+
+
+def test_zero_leaves_python_collecting_by_itself():
+    seen = run_with_watch(gc_interval=0)
+    assert all(enabled for enabled, _ in seen.values())
+    assert gc.isenabled()
+
+
+def test_a_collector_already_off_stays_off():
+    gc.disable()
+    try:
+        with ManualGC(5) as collector:
+            collector.maybe_collect(5)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_a_negative_interval_is_refused_before_any_work():
+    with pytest.raises(Exception, match="train.gc_interval = -1 must not be negative"):
+        load_config(None, [*TINY, "train.gc_interval=-1"]).resolve(1, 257)
