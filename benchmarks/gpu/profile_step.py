@@ -64,13 +64,17 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def profile_steps(step: Callable[[], object], warmup: int = 2, steps: int = 2, record_shapes: bool = False):
+def profile_steps(step: Callable[[], object], warmup: int = 2, steps: int = 2, record_shapes: bool = False,
+                  device_only: bool = False):
     """Run ``warmup`` steps, then profile ``steps`` more; returns the profiler
-    (``record_shapes``: operators keep their inputs' shapes, for ``gemm_table``)."""
+    (``record_shapes``: operators keep their inputs' shapes, for ``gemm_table``; ``device_only``:
+    the device's activity alone, so that recording the host's operators does not slow the host
+    and open gaps of its own)."""
     for _ in range(warmup):
         step()
     _sync()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    activities = [] if device_only else [ProfilerActivity.CPU]
+    activities += [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
     with profile(activities=activities, record_shapes=record_shapes) as prof:
         for _ in range(steps):
             step()
@@ -197,6 +201,12 @@ def device_idle(prof, steps: int, largest: int = 8) -> str:
              f"kernel ({len(gaps)} gaps; {sum(1 for g, _, _ in gaps if g >= 100) / steps:g}/step of 0.1 ms or more). "
              "Largest gaps:", ""]
     lines += [f"- {g / 1e3:.2f} ms after `{short(before)}`, before `{short(after)}`" for g, before, after in gaps[:largest]]
+    bounds = [(0, 2), (2, 5), (5, 20), (20, 100), (100, 1000), (1000, float("inf"))]  # µs
+    lines += ["", "| gap (µs) | gaps/step | ms/step |", "|---|---|---|"]
+    for low, high in bounds:
+        inside = [g for g, _, _ in gaps if low <= g < high]
+        lines.append(f"| {low}-{high if high != float('inf') else ''} | {len(inside) / steps:g} | "
+                     f"{sum(inside) / steps / 1e3:.2f} |")
     return "\n".join(lines)
 
 
@@ -254,10 +264,16 @@ def main() -> None:
     parser.add_argument("--markdown", help="also write the top kernels (20) as markdown to this file")
     parser.add_argument("--as-rank", default=None, metavar="R/W", help=AS_RANK_HELP)
     parser.add_argument("--gemms", action="store_true", help="also every GEMM shape with its kernel and rate")
+    parser.add_argument("--gaps", type=int, default=0, metavar="N",
+                        help="only the device's idle time: profile the device alone (the host's operators "
+                             "not recorded) and list the N largest gaps between kernels and all gaps by size")
     args = parser.parse_args()
     if args.as_rank:
         join_fake_group(args.as_rank)
     step, _ = mtl_step(args.config, args.overrides)
+    if args.gaps:
+        print(device_idle(profile_steps(step, warmup=2, steps=2, device_only=True), steps=2, largest=args.gaps))
+        return
     prof = profile_steps(step, warmup=2, steps=2, record_shapes=args.gemms)
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=args.rows))
