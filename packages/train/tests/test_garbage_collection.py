@@ -1,6 +1,7 @@
-"""``train.gc_interval``: during ``train()`` Python's automatic collector is off, a reference
-cycle dropped in one step is collected at the next multiple of the interval (not before), and
-the collector is back on after the run; ``gc_interval = 0`` leaves it automatic."""
+"""``train.gc_interval``: during ``train()`` Python's automatic collector is off and what existed
+before the loop is frozen, a reference cycle dropped in one step is collected at the next
+multiple of the interval (not before), and the collector is back on (and nothing frozen) after
+the run; ``gc_interval = 0`` leaves it automatic."""
 
 import gc
 import weakref
@@ -65,11 +66,20 @@ def run_with_watch(gc_interval: int) -> dict[int, tuple[bool, bool]]:
 
 
 def test_the_collector_runs_at_the_interval_and_is_restored():
-    assert gc.isenabled()
+    assert gc.isenabled() and gc.get_freeze_count() == 0
     seen = run_with_watch(gc_interval=3)
     # off all run long; the cycle of step 1 lives through step 2 and goes in step 3's collection
     assert seen == {1: (False, True), 2: (False, True), 3: (False, False), 4: (False, False)}
-    assert gc.isenabled()
+    assert gc.isenabled() and gc.get_freeze_count() == 0  # setup's objects unfrozen after the run
+
+
+def test_objects_from_before_the_loop_are_frozen_during_it():
+    with ManualGC(2):
+        assert gc.get_freeze_count() > 0
+        late = weakref.ref(Cycle())
+        gc.collect()
+        assert late() is None  # what the steps create is still collected
+    assert gc.get_freeze_count() == 0
 
 
 def test_zero_leaves_python_collecting_by_itself():
@@ -78,13 +88,15 @@ def test_zero_leaves_python_collecting_by_itself():
     assert gc.isenabled()
 
 
-def test_a_collector_already_off_stays_off():
+def test_a_collector_already_off_or_frozen_stays_so():
     gc.disable()
+    gc.freeze()
     try:
         with ManualGC(5) as collector:
             collector.maybe_collect(5)
-        assert not gc.isenabled()
+        assert not gc.isenabled() and gc.get_freeze_count() > 0
     finally:
+        gc.unfreeze()
         gc.enable()
 
 

@@ -189,10 +189,10 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     # a NaN/Inf loss or gradient norm stops the run; N > 0 skips (no update) up to N such steps
     skip_bad_steps: int = 0
-    # Python's automatic garbage collection off during training, and the young generations
-    # collected every N steps on every rank at the same step (Megatron's --manual-gc, torchtitan's
-    # gc_freq): no collection pauses the host at a random point of a step. 0: Python's automatic
-    # collection (mtl.train.garbage_collection)
+    # Python's automatic garbage collection off during training, and a full collection every N
+    # steps on every rank at the same step (Megatron's --manual-gc, torchtitan's gc_freq): no
+    # collection pauses the host at a random point of a step. 0: Python's automatic collection
+    # (mtl.train.garbage_collection)
     gc_interval: int = 50
     num_micro_batches: int | None = None  # derived: global / (micro * dp)
 
