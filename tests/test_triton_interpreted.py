@@ -27,16 +27,20 @@ KERNEL_TESTS = [
 ]
 
 
-@pytest.mark.skipif(not (TRITON / "triton").is_dir(),
-                    reason="no .venv/triton-interpreter (scripts/setup.sh installs Triton there)")
 def test_triton_kernels_match_their_formulas_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "MTL_TEST_TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(TRITON), os.environ.get("PYTHONPATH")]))}
+    if not (TRITON / "triton").is_dir():
+        # scripts/setup.sh installs it on Linux (CI): there a missing Triton is a failure, not a skip
+        assert sys.platform != "linux", f"no Triton in {TRITON}: run scripts/setup.sh"
+        pytest.skip(f"no Triton in {TRITON} (Triton has Linux wheels only)")
+    env = {key: value for key, value in os.environ.items() if key != "PYTEST_ADDOPTS"}  # no outer -k
+    env.update({"TRITON_INTERPRET": "1", "MTL_TEST_TRITON_INTERPRET": "1",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(TRITON), os.environ.get("PYTHONPATH")]))})
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *KERNEL_TESTS],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     tail = run.stdout[-4000:] + run.stderr[-2000:]
     assert run.returncode == 0, tail
     # every interpreter case ran (their skip reasons name the switch); only GPU-only cases may skip
     assert "MTL_TEST_TRITON_INTERPRET" not in run.stdout, tail
+    assert "deselected" not in run.stdout, tail
     passed = re.search(r"(\d+) passed", run.stdout)
-    assert passed and int(passed.group(1)) >= 30, tail
+    assert passed and int(passed.group(1)) >= 35, tail  # the four files' tests when this was written

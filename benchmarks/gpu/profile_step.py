@@ -205,7 +205,8 @@ def device_idle(prof, steps: int, largest: int = 8) -> str:
     lines += ["", "| gap (µs) | gaps/step | ms/step |", "|---|---|---|"]
     for low, high in bounds:
         inside = [g for g, _, _ in gaps if low <= g < high]
-        lines.append(f"| {low}-{high if high != float('inf') else ''} | {len(inside) / steps:g} | "
+        label = f"{low}-{high}" if high != float("inf") else f"{low} or more"
+        lines.append(f"| {label} | {len(inside) / steps:g} | "
                      f"{sum(inside) / steps / 1e3:.2f} |")
     return "\n".join(lines)
 

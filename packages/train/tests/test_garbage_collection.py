@@ -66,35 +66,41 @@ def run_with_watch(gc_interval: int) -> dict[int, tuple[bool, bool]]:
 
 
 def test_the_collector_runs_at_the_interval_and_is_restored():
-    assert gc.isenabled() and gc.get_freeze_count() == 0
+    before = (gc.isenabled(), gc.get_freeze_count())
     seen = run_with_watch(gc_interval=3)
     # off all run long; the cycle of step 1 lives through step 2 and goes in step 3's collection
     assert seen == {1: (False, True), 2: (False, True), 3: (False, False), 4: (False, False)}
-    assert gc.isenabled() and gc.get_freeze_count() == 0  # setup's objects unfrozen after the run
-
-
-def test_objects_from_before_the_loop_are_frozen_during_it():
-    with ManualGC(2):
-        assert gc.get_freeze_count() > 0
-        late = weakref.ref(Cycle())
-        gc.collect()
-        assert late() is None  # what the steps create is still collected
-    assert gc.get_freeze_count() == 0
+    assert (gc.isenabled(), gc.get_freeze_count()) == before  # on again, setup's objects unfrozen
 
 
 def test_zero_leaves_python_collecting_by_itself():
     seen = run_with_watch(gc_interval=0)
+    assert set(seen) == {1, 2, 3, 4}
     assert all(enabled for enabled, _ in seen.values())
-    assert gc.isenabled()
 
 
-def test_a_collector_already_off_or_frozen_stays_so():
+def test_objects_from_before_the_loop_are_frozen_during_it():
+    old = Cycle()
+    old_ref = weakref.ref(old)
+    with ManualGC(2) as collector:
+        del old  # garbage now, but it existed before the loop: frozen
+        young = weakref.ref(Cycle())
+        collector.maybe_collect(2)
+        assert old_ref() is not None and young() is None  # what the steps create is collected
+    gc.collect()
+    assert old_ref() is None  # unfrozen after the loop
+
+
+def test_someone_elses_freeze_and_a_collector_already_off_are_left_alone():
     gc.disable()
     gc.freeze()
+    frozen = gc.get_freeze_count()
     try:
         with ManualGC(5) as collector:
+            made_inside = [Cycle() for _ in range(10)]  # noqa: F841 - objects a freeze of ours would take
+            assert gc.get_freeze_count() == frozen  # nothing frozen on top
             collector.maybe_collect(5)
-        assert not gc.isenabled() and gc.get_freeze_count() > 0
+        assert not gc.isenabled() and gc.get_freeze_count() == frozen
     finally:
         gc.unfreeze()
         gc.enable()

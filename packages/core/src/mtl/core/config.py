@@ -190,9 +190,10 @@ class TrainConfig:
     # a NaN/Inf loss or gradient norm stops the run; N > 0 skips (no update) up to N such steps
     skip_bad_steps: int = 0
     # Python's automatic garbage collection off during training, and a full collection every N
-    # steps on every rank at the same step (Megatron's --manual-gc, torchtitan's gc_freq): no
-    # collection pauses the host at a random point of a step. 0: Python's automatic collection
-    # (mtl.train.garbage_collection)
+    # steps on every rank at the same step, over what the steps created (mtl.train.garbage_collection):
+    # no collection pauses one rank's host at a random point of a step. 0: Python's automatic
+    # collection. Like torchtitan's gc_freq (on, 50; it collects the young generations only); unlike
+    # Megatron's --manual-gc, off by default there, whose --manual-gc-interval 0 means never
     gc_interval: int = 50
     num_micro_batches: int | None = None  # derived: global / (micro * dp)
 
