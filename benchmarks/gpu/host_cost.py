@@ -1,0 +1,60 @@
+"""Host time per call of mtl's own Triton operators, through their ``torch.library`` op and as the
+bare Triton launch, on small tensors (so the device never holds the host back).
+
+    python3 benchmarks/gpu/host_cost.py [--calls 2000]
+
+A compiled layer calls ``mtl::swiglu_backward`` and ``mtl::rope_qkv_backward`` once per layer and
+micro-batch (384 calls per step of the reference model); the host's profile of a step at tiny
+shapes put much of its time there (benchmarks/RESULTS.md). This separates the op's wrapper from
+Triton's launch and from the kernel's own argument handling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def per_call_us(fn, calls: int) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return host / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=2000)
+    calls = parser.parse_args().calls
+    import mtl.models.gpt.rope_qkv as rq
+    import mtl.models.swiglu as sw
+
+    dev, bf = "cuda", torch.bfloat16
+    x, g = torch.randn(64, 2 * 256, device=dev, dtype=bf), torch.randn(64, 256, device=dev, dtype=bf)
+    b, s, heads, groups, d = 1, 16, 4, 2, 32
+    dq = torch.randn(b, s, heads, d, device=dev, dtype=bf)
+    dk, dv = torch.randn(b, s, groups, d, device=dev, dtype=bf), torch.randn(b, s, groups, d, device=dev, dtype=bf)
+    cos, sin = torch.randn(1, s, 1, d, device=dev), torch.randn(1, s, 1, d, device=dev)
+    rows = [
+        ("torch.empty_like (a floor)", lambda: torch.empty_like(x)),
+        ("x + 1 (one ATen kernel)", lambda: x + 1),
+        ("mtl::swiglu_backward (the op)", lambda: torch.ops.mtl.swiglu_backward(x, g)),
+        ("swiglu_backward (the custom_op's Python entry)", lambda: sw.swiglu_backward(x, g)),
+        ("swiglu _backward_triton (the launch alone)", lambda: sw._backward_triton(x, g)),
+        ("mtl::rope_qkv_backward (the op)", lambda: torch.ops.mtl.rope_qkv_backward(dq, dk, dv, cos, sin)),
+        ("rope _backward_triton (the launch alone)", lambda: rq._backward_triton(dq, dk, dv, cos, sin)),
+    ]
+    print("| call | host µs per call |\n|---|---|")
+    for name, fn in rows:
+        print(f"| {name} | {per_call_us(fn, calls):.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
