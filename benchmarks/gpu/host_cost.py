@@ -5,8 +5,9 @@ bare Triton launch, on small tensors (so the device never holds the host back).
 
 A compiled layer calls ``mtl::swiglu_backward`` and ``mtl::rope_qkv_backward`` once per layer and
 micro-batch (384 calls per step of the reference model); the host's profile of a step at tiny
-shapes put much of its time there (benchmarks/RESULTS.md). This separates the op's wrapper from
-Triton's launch and from the kernel's own argument handling.
+shapes put much of its time there (benchmarks/RESULTS.md: as ``torch.library.custom_op``s they
+cost 26-37 us more than the Triton launch alone, and are ``torch.library.Library`` ops since).
+This separates the op's dispatch from Triton's launch.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ def main() -> None:
         ("torch.empty_like (a floor)", lambda: torch.empty_like(x)),
         ("x + 1 (one ATen kernel)", lambda: x + 1),
         ("mtl::swiglu_backward (the op)", lambda: torch.ops.mtl.swiglu_backward(x, g)),
-        ("swiglu_backward (the custom_op's Python entry)", lambda: sw.swiglu_backward(x, g)),
         ("swiglu _backward_triton (the launch alone)", lambda: sw._backward_triton(x, g)),
         ("mtl::rope_qkv_backward (the op)", lambda: torch.ops.mtl.rope_qkv_backward(dq, dk, dv, cos, sin)),
         ("rope _backward_triton (the launch alone)", lambda: rq._backward_triton(dq, dk, dv, cos, sin)),

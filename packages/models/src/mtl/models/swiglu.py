@@ -67,8 +67,14 @@ def _backward_triton(fc1_out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@torch.library.custom_op("mtl::swiglu_backward", mutates_args=())
-def swiglu_backward(fc1_out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+# A torch.library.Library op rather than torch.library.custom_op: it runs once per layer and
+# micro-batch, and custom_op's Python wrapper cost 26 us more per call on the H100 machine's host
+# (benchmarks/gpu/host_cost.py), time that a rank bound by its host (tp = 2) waits for.
+_LIB = torch.library.Library("mtl", "FRAGMENT")
+_LIB.define("swiglu_backward(Tensor fc1_out, Tensor grad) -> Tensor")
+
+
+def _swiglu_backward(fc1_out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """The gradient of ``fc1_out [..., 2 * ffn]`` from the gradient of ``silu(gate) * up [..., ffn]``."""
     if triton is None or not fc1_out.is_cuda:
         return _backward_reference(fc1_out, grad)
@@ -76,9 +82,15 @@ def swiglu_backward(fc1_out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return _backward_triton(fc1_out, grad)
 
 
-@swiglu_backward.register_fake
+_LIB.impl("swiglu_backward", _swiglu_backward, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("mtl::swiglu_backward")
 def _(fc1_out, grad):
     return torch.empty_like(fc1_out, memory_format=torch.contiguous_format)
+
+
+swiglu_backward = torch.ops.mtl.swiglu_backward.default
 
 
 class _SwiGLU(torch.autograd.Function):

@@ -148,8 +148,14 @@ def _backward_triton(dq, dk, dv, cos, sin) -> torch.Tensor:
     return out
 
 
-@torch.library.custom_op("mtl::rope_qkv_backward", mutates_args=())
-def rope_qkv_backward(
+# A torch.library.Library op rather than torch.library.custom_op: it runs once per layer and
+# micro-batch, and custom_op's Python wrapper cost 37 us more per call on the H100 machine's host
+# (benchmarks/gpu/host_cost.py), time that a rank bound by its host (tp = 2) waits for.
+_LIB = torch.library.Library("mtl", "FRAGMENT")
+_LIB.define("rope_qkv_backward(Tensor dq, Tensor dk, Tensor dv, Tensor cos, Tensor sin) -> Tensor")
+
+
+def _rope_qkv_backward(
     dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
     """The gradient of the fused ``qkv [s, b, groups, hpg + 2, d]`` (contiguous, dq's dtype) from
@@ -161,11 +167,17 @@ def rope_qkv_backward(
         return _backward_triton(dq, dk, dv, cos, sin)
 
 
-@rope_qkv_backward.register_fake
+_LIB.impl("rope_qkv_backward", _rope_qkv_backward, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("mtl::rope_qkv_backward")
 def _(dq, dk, dv, cos, sin):
     b, s, heads, d = dq.shape
     groups = dk.shape[2]
     return dq.new_empty(s, b, groups, heads // groups + 2, d)
+
+
+rope_qkv_backward = torch.ops.mtl.rope_qkv_backward.default
 
 
 class _RotaryQKV(torch.autograd.Function):
