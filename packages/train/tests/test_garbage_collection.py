@@ -8,12 +8,10 @@ import weakref
 
 import pytest
 
-from mtl.core import plugins
 from mtl.core.config_io import load_config
-from mtl.core.hookspecs import hookimpl
 from mtl.train.garbage_collection import ManualGC
 from mtl.train.loop import train
-from mtl.train.testing import TINY
+from mtl.train.testing import TINY, StepWatcher
 
 
 class Cycle:
@@ -21,48 +19,22 @@ class Cycle:
         self.me = self  # only the cycle collector frees it
 
 
-class GCWatch:
-    """A train callback that records, at each logged step, whether the collector is on and
-    whether the cycle it dropped at step 1 is still alive."""
-
-    def __init__(self):
-        self.seen: dict[int, tuple[bool, bool]] = {}
-        self.cycle = None
-
-    def build(self, config):
-        watch = self
-
-        class Sink:
-            def on_step(self, step, metrics):
-                if step == 1:
-                    watch.cycle = weakref.ref(Cycle())  # garbage at once, but in a cycle
-                watch.seen[step] = (gc.isenabled(), watch.cycle() is not None)
-
-            def on_eval(self, step, metrics):
-                pass
-
-            def close(self):
-                pass
-
-        return Sink()
-
-    @hookimpl
-    def mtl_train_callbacks(self):
-        from mtl.core.registrations import TrainCallback
-
-        return [TrainCallback("gc_watch", self.build)]
-
-
 def run_with_watch(gc_interval: int) -> dict[int, tuple[bool, bool]]:
-    watch = GCWatch()
-    plugins.register_plugin(watch, name="gc-watch")
-    try:
-        overrides = [o for o in TINY if not o.startswith("train.iters")]
+    """At each logged step: whether the collector is on, and whether the cycle dropped at step 1
+    is still alive."""
+    seen: dict[int, tuple[bool, bool]] = {}
+    cycle = []
+
+    def on_step(step, metrics):
+        if step == 1:
+            cycle.append(weakref.ref(Cycle()))  # garbage at once, but in a cycle
+        seen[step] = (gc.isenabled(), cycle[0]() is not None)
+
+    overrides = [o for o in TINY if not o.startswith("train.iters")]
+    with StepWatcher("gc_watch", on_step):
         train(load_config(None, [*overrides, "train.iters=4", f"train.gc_interval={gc_interval}",
                                  "logging.callbacks=['gc_watch']"]), progress=False)
-    finally:
-        plugins.unregister_plugin(watch)
-    return watch.seen
+    return seen
 
 
 def test_the_collector_runs_at_the_interval_and_is_restored():

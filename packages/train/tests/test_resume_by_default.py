@@ -5,6 +5,8 @@ compute, naming the difference; a changed schedule length is one warning line; a
 exception inside a step leaves ``latest`` on the last complete checkpoint."""
 
 import logging
+import os
+import signal
 
 import pytest
 
@@ -15,7 +17,7 @@ from mtl.core.hookspecs import hookimpl
 from mtl.core.plugins import registry
 from mtl.core.registrations import DatasetSpec
 from mtl.train.loop import train
-from mtl.train.testing import TINY
+from mtl.train.testing import TINY, StepWatcher
 
 BASE = [o for o in TINY if not o.startswith("train.iters")] + ["train.iters=8", "train.warmup_iters=2"]
 
@@ -149,48 +151,21 @@ def test_interval_minutes_saves_by_the_clock(tmp_path):
         run([f"ckpt.save='{tmp_path / 'x'}'", "ckpt.interval_minutes=-1"])
 
 
-class CtrlCAt:
-    """A train callback (registered like a plugin's) that sends this process a real SIGINT
-    when step ``at`` is logged, as a user pressing Ctrl-C would."""
+def ctrl_c_at(at: int):
+    """At logged step ``at``, a real SIGINT to this process, as a user pressing Ctrl-C sends."""
 
-    def __init__(self, at: int):
-        self.at = at
+    def on_step(step, metrics):
+        if step == at:
+            os.kill(os.getpid(), signal.SIGINT)
 
-    def build(self, config):
-        import os
-        import signal
-
-        at = self.at
-
-        class Sink:
-            def on_step(self, step, metrics):
-                if step == at:
-                    os.kill(os.getpid(), signal.SIGINT)
-
-            def on_eval(self, step, metrics):
-                pass
-
-            def close(self):
-                pass
-
-        return Sink()
-
-    @hookimpl
-    def mtl_train_callbacks(self):
-        from mtl.core.registrations import TrainCallback
-
-        return [TrainCallback("ctrl_c", self.build)]
+    return on_step
 
 
 @pytest.mark.parametrize("save_on_exit", [True, False])
 def test_ctrl_c_saves_its_step_unless_save_on_exit_is_false(tmp_path, save_on_exit):
-    plugin = CtrlCAt(3)
-    plugins.register_plugin(plugin, name="ctrl-c")
-    try:
+    with StepWatcher("ctrl_c", ctrl_c_at(3)):
         result = run([f"ckpt.save='{tmp_path}'", f"ckpt.save_on_exit={str(save_on_exit).lower()}",
                       "logging.callbacks=['ctrl_c']"])
-    finally:
-        plugins.unregister_plugin(plugin)
     # the signal came after step 3's agreement between ranks: step 4 is where all stop
     assert result.stopped_by == "signal" and result.final_iteration == 4
     assert (tmp_path / "latest").exists() == save_on_exit

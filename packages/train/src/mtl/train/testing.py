@@ -6,9 +6,14 @@ the package rather than beside the tests."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
+from mtl.core import plugins
 from mtl.core.config_io import load_config
+from mtl.core.hookspecs import hookimpl
+from mtl.core.registrations import TrainCallback
 from mtl.models.param_layout import gather_global_state
 from mtl.train.loop import train
 
@@ -111,3 +116,36 @@ def assemble(per_rank: list[dict]) -> dict[str, torch.Tensor]:
                                            msg=lambda m, name=name: f"replicas of {name} differ: {m}")
             full[name] = grad
     return full
+
+
+class _StepSink:
+    """The train callback ``StepWatcher`` registers: ``on_step`` only."""
+
+    def __init__(self, on_step: Callable[[int, dict], None]):
+        self.on_step = on_step
+
+    def on_eval(self, step: int, metrics: dict) -> None:
+        """Evaluations are not watched."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class StepWatcher:
+    """``with StepWatcher("name", on_step):`` registers, as a plugin would, a train callback
+    ``name`` that calls ``on_step(step, metrics)`` at every logged step; a run that lists it in
+    ``logging.callbacks`` lets a test look (or act, e.g. send a signal) inside the loop."""
+
+    def __init__(self, name: str, on_step: Callable[[int, dict], None]):
+        self.name, self.on_step = name, on_step
+
+    @hookimpl
+    def mtl_train_callbacks(self):
+        return [TrainCallback(self.name, lambda config: _StepSink(self.on_step))]
+
+    def __enter__(self) -> "StepWatcher":
+        plugins.register_plugin(self, name=f"step-watcher-{self.name}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        plugins.unregister_plugin(self)
