@@ -10,14 +10,16 @@ over ``[tokens, ffn]`` that loads gate, up and the gradient once and stores both
 per call there). The dense MLP and the MoE experts both use it.
 
 The forward stays in the compiled graph (inductor's kernel for it already moves the least bytes).
-The backward is the ``mtl::swiglu_backward`` operator: Triton on CUDA, the same fp32 formula in
-PyTorch elsewhere, so compiled graphs call it as one opaque kernel and CPU runs take the same path.
+The backward is the ``mtl::swiglu_backward`` operator (a ``torch.library.triton_op``): Triton on CUDA,
+the same fp32 formula in PyTorch elsewhere. A compiled graph traces through it: on CUDA inductor
+launches the Triton kernel from its own code, on the CPU it compiles the formula.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.library import triton_op, wrap_triton
 
 try:
     import triton
@@ -63,34 +65,25 @@ def _backward_triton(fc1_out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     if rows == 0:  # an expert that received no tokens
         return out
     block = 1024
-    _swiglu_backward_kernel[(rows, triton.cdiv(ffn, block))](fc1_out, grad, out, ffn, BLOCK=block, num_warps=4)
+    # wrap_triton: traced into a compiled graph, inductor launches the kernel itself
+    launch = wrap_triton(_swiglu_backward_kernel)[(rows, triton.cdiv(ffn, block))]
+    launch(fc1_out, grad, out, ffn, BLOCK=block, num_warps=4)
     return out
 
 
-# A torch.library.Library op rather than torch.library.custom_op: it runs once per layer and
-# micro-batch, and custom_op's Python wrapper cost 26 us more per call on the H100 machine's host
-# (benchmarks/gpu/host_cost.py), time that a rank bound by its host (tp = 2) waits for.
-_LIB = torch.library.Library("mtl", "FRAGMENT")
-_LIB.define("swiglu_backward(Tensor fc1_out, Tensor grad) -> Tensor")
-
-
-def _swiglu_backward(fc1_out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+# A triton_op, so that inside a compiled layer inductor's code launches the kernel, as it launches its
+# own, instead of calling an opaque op that dispatches and then launches through Triton's JIT. On the
+# H100 machine a compiled call costs 8 us of host time more than a compiled call of one ATen kernel
+# (benchmarks/gpu/host_cost.py); the reference model's step at tiny shapes, where the host's time is
+# the step's, took 1754 against 1961 ms with both backward ops opaque. That host time shows where a
+# rank is bound by its host (tp = 2). Eager calls (train.compile off) still dispatch and JIT-launch.
+@triton_op("mtl::swiglu_backward", mutates_args=())
+def swiglu_backward(fc1_out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """The gradient of ``fc1_out [..., 2 * ffn]`` from the gradient of ``silu(gate) * up [..., ffn]``."""
     if triton is None or not fc1_out.is_cuda:
         return _backward_reference(fc1_out, grad)
     with torch.cuda.device(fc1_out.device):
         return _backward_triton(fc1_out, grad)
-
-
-_LIB.impl("swiglu_backward", _swiglu_backward, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("mtl::swiglu_backward")
-def _(fc1_out, grad):
-    return torch.empty_like(fc1_out, memory_format=torch.contiguous_format)
-
-
-swiglu_backward = torch.ops.mtl.swiglu_backward.default
 
 
 class _SwiGLU(torch.autograd.Function):

@@ -12,7 +12,8 @@ backward returns them) and writes the gradient of the fused QKV tensor in its ow
 
 ``rotary_qkv`` gives the numbers of the slices + ``apply_rotary`` path (its forward is those
 very ops, left in the compiled graph for inductor to fuse; value stays a view). Its backward is
-the ``mtl::rope_qkv_backward`` operator: per position, the transposed rotation
+the ``mtl::rope_qkv_backward`` operator (a ``torch.library.triton_op``, which compiled graphs trace
+through, as ``mtl.models.swiglu``'s): per position, the transposed rotation
 ``dx = dy * cos + rotate_half_T(dy * sin)`` with ``rotate_half_T([a, b]) = [b, -a]`` for dq and
 dk, dv copied; in fp32 from the incoming gradients, with cos/sin first rounded to the
 activations' dtype as the forward rounds them, and the result rounded once. Triton on CUDA, the
@@ -22,6 +23,7 @@ same formula in PyTorch elsewhere (as ``mtl.models.swiglu``).
 from __future__ import annotations
 
 import torch
+from torch.library import triton_op, wrap_triton
 
 from mtl.models.gpt.rope import apply_rotary
 
@@ -134,7 +136,8 @@ def _backward_triton(dq, dk, dv, cos, sin) -> torch.Tensor:
     cos, sin = cos.expand(b, s, 1, d), sin.expand(b, s, 1, d)
     half = d // 2
     block = triton.next_power_of_2(heads) * triton.next_power_of_2(half)
-    _rope_qkv_backward_kernel[(s * b,)](
+    # wrap_triton: traced into a compiled graph, inductor launches the kernel itself
+    wrap_triton(_rope_qkv_backward_kernel)[(s * b,)](
         dq, dk, dv, cos, sin, out,
         b, groups, hpg, heads, half,
         *dq.stride(), *dk.stride(), *dv.stride(),
@@ -148,14 +151,10 @@ def _backward_triton(dq, dk, dv, cos, sin) -> torch.Tensor:
     return out
 
 
-# A torch.library.Library op rather than torch.library.custom_op: it runs once per layer and
-# micro-batch, and custom_op's Python wrapper cost 37 us more per call on the H100 machine's host
-# (benchmarks/gpu/host_cost.py), time that a rank bound by its host (tp = 2) waits for.
-_LIB = torch.library.Library("mtl", "FRAGMENT")
-_LIB.define("rope_qkv_backward(Tensor dq, Tensor dk, Tensor dv, Tensor cos, Tensor sin) -> Tensor")
-
-
-def _rope_qkv_backward(
+# A triton_op, as mtl.models.swiglu's: inside a compiled layer inductor's code launches the kernel
+# (its ~30 scalar arguments still cost ~40 us of host time per compiled call, benchmarks/gpu/host_cost.py).
+@triton_op("mtl::rope_qkv_backward", mutates_args=())
+def rope_qkv_backward(
     dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
     """The gradient of the fused ``qkv [s, b, groups, hpg + 2, d]`` (contiguous, dq's dtype) from
@@ -165,19 +164,6 @@ def _rope_qkv_backward(
         return _backward_reference(dq, dk, dv, cos, sin)
     with torch.cuda.device(dq.device):
         return _backward_triton(dq, dk, dv, cos, sin)
-
-
-_LIB.impl("rope_qkv_backward", _rope_qkv_backward, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("mtl::rope_qkv_backward")
-def _(dq, dk, dv, cos, sin):
-    b, s, heads, d = dq.shape
-    groups = dk.shape[2]
-    return dq.new_empty(s, b, groups, heads // groups + 2, d)
-
-
-rope_qkv_backward = torch.ops.mtl.rope_qkv_backward.default
 
 
 class _RotaryQKV(torch.autograd.Function):
