@@ -175,6 +175,13 @@ class TrainConfig:
     # for FP8 on a backend whose FP8 modules do not compile (Backend.fp8_compiles, e.g. te)
     # unless train.cuda_graphs is on
     compile: bool | None = None
+    # inductor's C++ wrapper for the compiled layers (torch.compile's cpp_wrapper option): each
+    # layer's kernels are launched from compiled C++, not from generated Python. Pays where a rank
+    # is bound by its host: a tp=2+sp rank of the H100 reference model 0.548 against 0.571-0.694 s
+    # per step; no change on one GPU (benchmarks/RESULTS.md). The first compile takes about a
+    # minute longer (cached on disk after). Needs train.compile; with collectives inside the
+    # layers (tp, cp or ep > 1) it needs torch < 2.13, whose C++ wrapper cannot pass them a group
+    compile_cpp_wrapper: bool = False
     # CUDA graphs of each transformer layer's training forward and backward (Megatron's
     # --enable-cuda-graph), captured on the first step: the host launches one graph per layer
     # instead of every kernel (pays where the host is the bottleneck, as with te; not for local
@@ -283,6 +290,7 @@ class RunConfig:
         _check_backend(cfg, compile_unset)
         _resolve_cp_comm_type(p, t)
         _check_overlap_layer_comm(p, t)
+        _check_compile_cpp_wrapper(p, t)
         _check_cuda_graphs(m, p, t)
         _check_attention_kernel(m, p, t)
         cfg.resolved = True
@@ -508,6 +516,27 @@ def _check_overlap_layer_comm(p: ParallelConfig, t: TrainConfig) -> None:
             f"{str(p.sequence_parallel).lower()}, cp = {p.cp}, cp_comm_type = '{p.cp_comm_type}') has none: "
             "set parallel.overlap_layer_comm = false"
         )
+
+
+def _check_compile_cpp_wrapper(p: ParallelConfig, t: TrainConfig) -> None:
+    """After train.compile is final. Under torch 2.13 inductor's C++ wrapper refuses the functional
+    collectives a compiled tensor-, context- or expert-parallel layer contains (their group
+    argument is typed ``Any``, which its call into Python ops cannot pass): refused here, before
+    the first step's compile fails."""
+    if not t.compile_cpp_wrapper:
+        return
+    if not t.compile:
+        raise ConfigError("train.compile_cpp_wrapper = true needs train.compile = true (it is how inductor "
+                          "launches the compiled layers' kernels); set train.compile = true, or "
+                          "train.compile_cpp_wrapper = false")
+    import torch  # noqa: PLC0415
+
+    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    split = [f"parallel.{name} = {getattr(p, name)}" for name in ("tp", "cp", "ep") if getattr(p, name) > 1]
+    if split and version >= (2, 13):
+        raise ConfigError(f"train.compile_cpp_wrapper = true with {', '.join(split)} needs torch < 2.13: "
+                          f"torch {torch.__version__}'s C++ wrapper cannot call the compiled layers' "
+                          "collectives; set train.compile_cpp_wrapper = false")
 
 
 def _resolve_cp_comm_type(p: ParallelConfig, t: TrainConfig) -> None:

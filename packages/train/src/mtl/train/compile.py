@@ -51,9 +51,13 @@ def norm_grad_split_rows(tokens_per_call: int, sm_count: int) -> int:
     return min(max(1 << (per_sm.bit_length() - 1), 16), 128)
 
 
-def inductor_options(*, overlap_comm: bool, tokens_per_call: int, device: torch.device) -> dict | None:
-    """This run's inductor options for every compiled region (None: inductor's defaults)."""
+def inductor_options(*, overlap_comm: bool, tokens_per_call: int, device: torch.device,
+                     cpp_wrapper: bool = False) -> dict | None:
+    """This run's inductor options for every compiled region (None: inductor's defaults).
+    ``cpp_wrapper``: ``train.compile_cpp_wrapper``."""
     options = dict(OVERLAP_LAYER_COMM) if overlap_comm else {}
+    if cpp_wrapper:
+        options["cpp_wrapper"] = True
     if device.type == "cuda":
         sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         options["triton.mix_order_reduction_split_size"] = norm_grad_split_rows(tokens_per_call, sm_count)

@@ -77,7 +77,7 @@ def build_model_chunks(config: RunConfig, topology: Topology, device: torch.devi
         # tokens per layer call on this rank: sequence parallelism splits them over tp, cp always
         tokens = m.seq_length * config.train.micro_batch_size // p.cp // (p.tp if p.sequence_parallel else 1)
         compile_regions(chunks, inductor_options(overlap_comm=p.overlap_layer_comm, tokens_per_call=tokens,
-                                                 device=device))
+                                                 device=device, cpp_wrapper=config.train.compile_cpp_wrapper))
     return chunks
 
 
