@@ -15,6 +15,7 @@ from mtl.train.testing import TINY
 def _fresh_dynamo():
     yield
     torch._dynamo.reset()  # later tests count the layer's compiled graphs
+    torch._inductor.config.cpp_wrapper = False  # process-wide (mtl.train.compile.set_cpp_wrapper)
 
 
 def _losses_and_wrappers(tmp_path, cpp_wrapper: bool):

@@ -51,17 +51,23 @@ def norm_grad_split_rows(tokens_per_call: int, sm_count: int) -> int:
     return min(max(1 << (per_sm.bit_length() - 1), 16), 128)
 
 
-def inductor_options(*, overlap_comm: bool, tokens_per_call: int, device: torch.device,
-                     cpp_wrapper: bool = False) -> dict | None:
-    """This run's inductor options for every compiled region (None: inductor's defaults).
-    ``cpp_wrapper``: ``train.compile_cpp_wrapper``."""
+def inductor_options(*, overlap_comm: bool, tokens_per_call: int, device: torch.device) -> dict | None:
+    """This run's inductor options for every compiled region (None: inductor's defaults)."""
     options = dict(OVERLAP_LAYER_COMM) if overlap_comm else {}
-    if cpp_wrapper:
-        options["cpp_wrapper"] = True
     if device.type == "cuda":
         sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         options["triton.mix_order_reduction_split_size"] = norm_grad_split_rows(tokens_per_call, sm_count)
     return options or None
+
+
+def set_cpp_wrapper(enabled: bool) -> None:
+    """``train.compile_cpp_wrapper`` for this process. Inductor's global setting, not a per-compile
+    option like the others: given to ``torch.compile`` a layer's backward, compiled at the first
+    backward, did not follow it on CUDA (its C++ launch then found no compiled kernel: "CudaKernelParamCache
+    not populated"). Set from every run's config, so one run's choice does not leak into the next."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.cpp_wrapper = enabled
 
 
 def compile_regions(chunks: list[nn.Module], options: dict | None = None) -> int:

@@ -18,7 +18,7 @@ from mtl.parallel.random import seed_everything as seed_rng_streams
 from mtl.parallel.tensor_parallel.wgrad_fusion import enable_wgrad_fusion
 from mtl.parallel.topology import Topology
 from mtl.train.checkpointing import check_checkpoint_dirs
-from mtl.train.compile import compile_regions, inductor_options
+from mtl.train.compile import compile_regions, inductor_options, set_cpp_wrapper
 from mtl.train.precision import DTYPES
 
 log = get_logger(__name__)
@@ -76,8 +76,9 @@ def build_model_chunks(config: RunConfig, topology: Topology, device: torch.devi
         p, m = config.parallel, config.model
         # tokens per layer call on this rank: sequence parallelism splits them over tp, cp always
         tokens = m.seq_length * config.train.micro_batch_size // p.cp // (p.tp if p.sequence_parallel else 1)
+        set_cpp_wrapper(config.train.compile_cpp_wrapper)
         compile_regions(chunks, inductor_options(overlap_comm=p.overlap_layer_comm, tokens_per_call=tokens,
-                                                 device=device, cpp_wrapper=config.train.compile_cpp_wrapper))
+                                                 device=device))
     return chunks
 
 
