@@ -39,10 +39,10 @@ if [ "$SHORT" = 1 ]; then
     run tp2_sp 2 --set parallel.tp=2 --set parallel.sequence_parallel=true
     # the backward's reduce-scatters beside the weight-gradient GEMMs, as written (gathered_linear)
     run tp2_sp_overlap 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set parallel.overlap_layer_comm=true
-    # inductor's C++ wrapper launches the layer's kernels: a tp=2 rank alone on one H100 is
-    # bound by the Python wrapper's launches (0.54-0.72 s against ~0.50 s of kernels, by host);
-    # with it, 0.517 against 0.628 s on the same machine (RESULTS.md, seventh session)
-    TORCHINDUCTOR_CPP_WRAPPER=1 run tp2_sp_cppwrap 2 --set parallel.tp=2 --set parallel.sequence_parallel=true
+    # inductor's C++ wrapper launches the layer's kernels (train.compile_cpp_wrapper): a tp=2
+    # rank alone on one H100 is bound by the Python wrapper's launches; with it, 0.548 against
+    # 0.571-0.694 s on the same machine (RESULTS.md, eleventh session)
+    run tp2_sp_cppwrap 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.compile_cpp_wrapper=true
     run pp2 2 --set parallel.pp=2
     # interleaved: two chunks per stage halve the pipeline bubble (1/9 of the step at 8 micro-batches)
     run pp2_vpp2 2 --set parallel.pp=2 --set parallel.vpp=2

@@ -3,11 +3,11 @@ bare Triton launch, on small tensors (so the device never holds the host back).
 
     python3 benchmarks/gpu/host_cost.py [--calls 2000]
 
-A compiled layer calls ``mtl::swiglu_backward`` and ``mtl::rope_qkv_backward`` once per layer and
-micro-batch (384 calls per step of the reference model); the host's profile of a step at tiny
-shapes put much of its time there (benchmarks/RESULTS.md: as ``torch.library.custom_op``s they
-cost 26-37 us more than the Triton launch alone, and are ``torch.library.Library`` ops since).
-This separates the op's dispatch from Triton's launch.
+A compiled layer's backward runs ``mtl::swiglu_backward`` and ``mtl::rope_qkv_backward`` once per
+layer and micro-batch (384 calls per step of the reference model). As opaque ops, their dispatch and
+Triton's JIT launch were the top of the host's profile at tiny shapes (benchmarks/RESULTS.md); as
+``triton_op``s, a compiled graph launches their kernels from inductor's own code. The rows compare
+the op called eagerly (train.compile off) and inside a compiled function against one ATen kernel.
 """
 
 from __future__ import annotations
@@ -43,13 +43,21 @@ def main() -> None:
     dq = torch.randn(b, s, heads, d, device=dev, dtype=bf)
     dk, dv = torch.randn(b, s, groups, d, device=dev, dtype=bf), torch.randn(b, s, groups, d, device=dev, dtype=bf)
     cos, sin = torch.randn(1, s, 1, d, device=dev), torch.randn(1, s, 1, d, device=dev)
+
+    def compiled(op):  # what a compiled layer's backward does: inductor's code launches the kernel
+        return torch.compile(op, fullgraph=True)
+
+    add_one = compiled(lambda t: t + 1)
+    swiglu_c = compiled(lambda a, b: sw.swiglu_backward(a, b))
+    rope_c = compiled(lambda *t: rq.rope_qkv_backward(*t))
     rows = [
         ("torch.empty_like (a floor)", lambda: torch.empty_like(x)),
         ("x + 1 (one ATen kernel)", lambda: x + 1),
-        ("mtl::swiglu_backward (the op)", lambda: torch.ops.mtl.swiglu_backward(x, g)),
-        ("swiglu _backward_triton (the launch alone)", lambda: sw._backward_triton(x, g)),
-        ("mtl::rope_qkv_backward (the op)", lambda: torch.ops.mtl.rope_qkv_backward(dq, dk, dv, cos, sin)),
-        ("rope _backward_triton (the launch alone)", lambda: rq._backward_triton(dq, dk, dv, cos, sin)),
+        ("mtl::swiglu_backward (the op, eager)", lambda: torch.ops.mtl.swiglu_backward(x, g)),
+        ("mtl::rope_qkv_backward (the op, eager)", lambda: torch.ops.mtl.rope_qkv_backward(dq, dk, dv, cos, sin)),
+        ("compiled x + 1 (a compiled function's own cost + one kernel)", lambda: add_one(x)),
+        ("compiled mtl::swiglu_backward", lambda: swiglu_c(x, g)),
+        ("compiled mtl::rope_qkv_backward", lambda: rope_c(dq, dk, dv, cos, sin)),
     ]
     print("| call | host µs per call |\n|---|---|")
     for name, fn in rows:

@@ -8,7 +8,7 @@
 # ROWS picks rows (default all): gpu1 tp2_sp pp2 pp2_vpp2 cp2 long_gpu1 long_cp2 long_cp2_allgather
 # (the cp rows name their cp_comm_type: compiled at cp=2 the config's own choice is all_gather).
 # EXTRA adds settings to every row, e.g. EXTRA="--set parallel.overlap_layer_comm=true" or
-# EXTRA="--set bench.inductor.cpp_wrapper=True" (inductor's C++ wrapper: a host-bound rank's launches).
+# EXTRA="--set train.compile_cpp_wrapper=true" (inductor's C++ wrapper: a host-bound rank's launches).
 # A rank whose kernels are short can be bound by the host: its time then depends on the machine.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
