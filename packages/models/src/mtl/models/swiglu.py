@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
+
+from mtl.models.triton_ops import triton_op
 
 try:
     import triton

@@ -23,9 +23,10 @@ same formula in PyTorch elsewhere (as ``mtl.models.swiglu``).
 from __future__ import annotations
 
 import torch
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
 from mtl.models.gpt.rope import apply_rotary
+from mtl.models.triton_ops import triton_op
 
 try:
     import triton
