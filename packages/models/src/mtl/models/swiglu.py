@@ -75,10 +75,10 @@ def _backward_triton(fc1_out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 
 # A triton_op, so that inside a compiled layer inductor's code launches the kernel, as it launches its
 # own, instead of calling an opaque op that dispatches and then launches through Triton's JIT. On the
-# H100 machine a compiled call costs 8 us of host time more than a compiled call of one ATen kernel
-# (benchmarks/gpu/host_cost.py); the reference model's step at tiny shapes, where the host's time is
-# the step's, took 1754 against 1961 ms with both backward ops opaque. That host time shows where a
-# rank is bound by its host (tp = 2). Eager calls (train.compile off) still dispatch and JIT-launch.
+# H100 machine a compiled call took 52 against 131 us of host time (benchmarks/gpu/host_cost.py), and
+# a tensor-parallel rank bound by its host (tp = 2 + sp, alone) 0.64-0.68 against 0.76-0.81 s per
+# step with mtl::rope_qkv_backward likewise (benchmarks/RESULTS.md). Eager calls (train.compile off)
+# dispatch as a custom_op and JIT-launch: ~40 us more than the opaque op did.
 @triton_op("mtl::swiglu_backward", mutates_args=())
 def swiglu_backward(fc1_out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """The gradient of ``fc1_out [..., 2 * ffn]`` from the gradient of ``silu(gate) * up [..., ffn]``."""

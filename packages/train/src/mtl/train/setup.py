@@ -72,11 +72,11 @@ def build_model_chunks(config: RunConfig, topology: Topology, device: torch.devi
         if DTYPES[config.train.params_dtype] != torch.float32:
             # fp32 main_grad buffers: the weight-gradient GEMMs accumulate into them directly
             enable_wgrad_fusion(model)
+    set_cpp_wrapper(config.train.compile_cpp_wrapper)  # process-wide: every run sets its own
     if config.train.compile:
         p, m = config.parallel, config.model
         # tokens per layer call on this rank: sequence parallelism splits them over tp, cp always
         tokens = m.seq_length * config.train.micro_batch_size // p.cp // (p.tp if p.sequence_parallel else 1)
-        set_cpp_wrapper(config.train.compile_cpp_wrapper)
         compile_regions(chunks, inductor_options(overlap_comm=p.overlap_layer_comm, tokens_per_call=tokens,
                                                  device=device))
     return chunks
