@@ -58,8 +58,9 @@ if triton is not None:
         tl.store(dx_ptr + gate_at + ffn, d_up.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def _backward_triton(fc1_out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """The Triton launch (no device guard, so the interpreter can run it on CPU tensors)."""
+def _backward_triton(fc1_out: torch.Tensor, grad: torch.Tensor, traced: bool = False) -> torch.Tensor:
+    """The Triton launch (no device guard, so the interpreter can run it on CPU tensors). ``traced``:
+    inside the triton_op, where a compiled graph records the launch for inductor."""
     fc1_out, grad = fc1_out.contiguous(), grad.contiguous()
     ffn = grad.shape[-1]
     rows = grad.numel() // ffn
@@ -67,25 +68,27 @@ def _backward_triton(fc1_out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     if rows == 0:  # an expert that received no tokens
         return out
     block = 1024
-    # wrap_triton: traced into a compiled graph, inductor launches the kernel itself
-    launch = wrap_triton(_swiglu_backward_kernel)[(rows, triton.cdiv(ffn, block))]
-    launch(fc1_out, grad, out, ffn, BLOCK=block, num_warps=4)
+    kernel = wrap_triton(_swiglu_backward_kernel) if traced else _swiglu_backward_kernel
+    kernel[(rows, triton.cdiv(ffn, block))](fc1_out, grad, out, ffn, BLOCK=block, num_warps=4)
     return out
+
+
+def _swiglu_backward(fc1_out: torch.Tensor, grad: torch.Tensor, traced: bool) -> torch.Tensor:
+    if triton is None or not fc1_out.is_cuda:
+        return _backward_reference(fc1_out, grad)
+    with torch.cuda.device(fc1_out.device):
+        return _backward_triton(fc1_out, grad, traced)
 
 
 # A triton_op, so that inside a compiled layer inductor's code launches the kernel, as it launches its
 # own, instead of calling an opaque op that dispatches and then launches through Triton's JIT. On the
 # H100 machine a compiled call took 52 against 131 us of host time (benchmarks/gpu/host_cost.py), and
 # a tensor-parallel rank bound by its host (tp = 2 + sp, alone) 0.64-0.68 against 0.76-0.81 s per
-# step with mtl::rope_qkv_backward likewise (benchmarks/RESULTS.md). Eager calls (train.compile off)
-# dispatch as a custom_op and JIT-launch: ~40 us more than the opaque op did.
+# step with mtl::rope_qkv_backward likewise (benchmarks/RESULTS.md).
 @triton_op("mtl::swiglu_backward", mutates_args=())
 def swiglu_backward(fc1_out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """The gradient of ``fc1_out [..., 2 * ffn]`` from the gradient of ``silu(gate) * up [..., ffn]``."""
-    if triton is None or not fc1_out.is_cuda:
-        return _backward_reference(fc1_out, grad)
-    with torch.cuda.device(fc1_out.device):
-        return _backward_triton(fc1_out, grad)
+    return _swiglu_backward(fc1_out, grad, traced=True)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -98,7 +101,11 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (fc1_out,) = ctx.saved_tensors
-        return swiglu_backward(fc1_out, grad)
+        if torch.compiler.is_compiling():
+            return swiglu_backward(fc1_out, grad)
+        # eager (train.compile off, or an eager region such as the MoE experts' loop): the same
+        # function without the op's dispatch, which as a custom_op costs ~40 us per call
+        return _swiglu_backward(fc1_out, grad, traced=False)
 
 
 def swiglu(fc1_out: torch.Tensor) -> torch.Tensor:

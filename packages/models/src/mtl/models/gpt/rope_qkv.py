@@ -125,8 +125,9 @@ if triton is not None:
         tl.store(v_out + half, tl.load(v_at + half * dv_sd, mask=g_ok).to(dtype), mask=g_ok)
 
 
-def _backward_triton(dq, dk, dv, cos, sin) -> torch.Tensor:
-    """The Triton launch (no device guard, so the interpreter can run it on CPU tensors)."""
+def _backward_triton(dq, dk, dv, cos, sin, traced: bool = False) -> torch.Tensor:
+    """The Triton launch (no device guard, so the interpreter can run it on CPU tensors). ``traced``:
+    inside the triton_op, where a compiled graph records the launch for inductor."""
     b, s, heads, d = dq.shape
     groups = dk.shape[2]
     hpg = heads // groups
@@ -137,8 +138,8 @@ def _backward_triton(dq, dk, dv, cos, sin) -> torch.Tensor:
     cos, sin = cos.expand(b, s, 1, d), sin.expand(b, s, 1, d)
     half = d // 2
     block = triton.next_power_of_2(heads) * triton.next_power_of_2(half)
-    # wrap_triton: traced into a compiled graph, inductor launches the kernel itself
-    wrap_triton(_rope_qkv_backward_kernel)[(s * b,)](
+    kernel = wrap_triton(_rope_qkv_backward_kernel) if traced else _rope_qkv_backward_kernel
+    kernel[(s * b,)](
         dq, dk, dv, cos, sin, out,
         b, groups, hpg, heads, half,
         *dq.stride(), *dk.stride(), *dv.stride(),
@@ -161,10 +162,14 @@ def rope_qkv_backward(
     """The gradient of the fused ``qkv [s, b, groups, hpg + 2, d]`` (contiguous, dq's dtype) from
     those of the rotated query ``[b, s, heads, d]``, key and value ``[b, s, groups, d]`` (any
     strides); cos, sin: the forward's fp32 tables ``[b, s, 1, d]``."""
+    return _rope_qkv_backward(dq, dk, dv, cos, sin, traced=True)
+
+
+def _rope_qkv_backward(dq, dk, dv, cos, sin, traced: bool) -> torch.Tensor:
     if triton is None or not dq.is_cuda:
         return _backward_reference(dq, dk, dv, cos, sin)
     with torch.cuda.device(dq.device):
-        return _backward_triton(dq, dk, dv, cos, sin)
+        return _backward_triton(dq, dk, dv, cos, sin, traced)
 
 
 class _RotaryQKV(torch.autograd.Function):
@@ -179,7 +184,10 @@ class _RotaryQKV(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         # autograd hands each gradient in its output's dtype, qkv's; the tables are position
         # functions without a gradient
-        return rope_qkv_backward(dq, dk, dv, cos, sin), None, None
+        if torch.compiler.is_compiling():
+            return rope_qkv_backward(dq, dk, dv, cos, sin), None, None
+        # eager: the same function without the op's dispatch (as mtl.models.swiglu)
+        return _rope_qkv_backward(dq, dk, dv, cos, sin, traced=False), None, None
 
 
 def rotary_qkv(
