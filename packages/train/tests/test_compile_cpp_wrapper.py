@@ -1,6 +1,7 @@
 """``train.compile_cpp_wrapper``: the compiled layers are launched from inductor's C++ wrapper (its
 generated modules have no Python ``call``), and the run gives the losses the Python wrapper gives
-(the same kernels: bitwise on the CPU; on a GPU up to the attention backward's atomics). Settings it cannot serve are refused before any work, naming the key."""
+(the same kernels: bitwise on the CPU; on a GPU up to the attention backward's atomics). Settings
+it cannot serve are refused before any work, naming the key."""
 
 import pytest
 import torch
