@@ -1,5 +1,5 @@
-"""Host time per call of mtl's own Triton operators, through their ``torch.library`` op and as the
-bare Triton launch, on small tensors (so the device never holds the host back).
+"""Host time per call of mtl's own Triton operators, called eagerly and from a compiled function, on
+small tensors (so the device never holds the host back).
 
     python3 benchmarks/gpu/host_cost.py [--calls 2000]
 

@@ -9,6 +9,7 @@ from torch._inductor.utils import run_and_get_code
 
 from mtl.core.config_io import load_config
 from mtl.core.errors import ConfigError
+from mtl.core.torch_release import torch_release
 from mtl.train.testing import TINY
 
 
@@ -54,7 +55,7 @@ def test_cpp_wrapper_needs_compile():
         cfg.resolve(tokenizer_vocab_size=257)
 
 
-@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
+@pytest.mark.skipif(torch_release() < (2, 13),
                     reason="torch < 2.13's C++ wrapper calls the layers' collectives")
 def test_cpp_wrapper_refuses_layer_collectives_under_torch_2_13():
     cfg = load_config(None, [*TINY, "train.compile=true", "train.compile_cpp_wrapper=true", "parallel.tp=2"])

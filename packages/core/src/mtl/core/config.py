@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtl.core.errors import ConfigError
+from mtl.core.torch_release import torch_release
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.normalization": ("layernorm", "rmsnorm"),
@@ -529,13 +530,11 @@ def _check_compile_cpp_wrapper(p: ParallelConfig, t: TrainConfig) -> None:
         raise ConfigError("train.compile_cpp_wrapper = true needs train.compile = true (it is how inductor "
                           "launches the compiled layers' kernels); set train.compile = true, or "
                           "train.compile_cpp_wrapper = false")
-    import torch  # noqa: PLC0415
-
-    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
     split = [f"parallel.{name} = {getattr(p, name)}" for name in ("tp", "cp", "ep") if getattr(p, name) > 1]
-    if split and version >= (2, 13):
+    release = torch_release()
+    if split and release >= (2, 13):
         raise ConfigError(f"train.compile_cpp_wrapper = true with {', '.join(split)} needs torch < 2.13: "
-                          f"torch {torch.__version__}'s C++ wrapper cannot call the compiled layers' "
+                          f"torch {release[0]}.{release[1]}'s C++ wrapper cannot call the compiled layers' "
                           "collectives; set train.compile_cpp_wrapper = false")
 
 

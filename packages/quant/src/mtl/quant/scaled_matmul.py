@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mtl.core.torch_release import torch_release
 from mtl.quant import cublaslt
 from mtl.quant.cublaslt import CUDA_MULTIPLE
 
@@ -32,7 +33,7 @@ def _round_up(n: int) -> int:
 # FP8 step pays in full.
 _LIB = torch.library.Library("mtl", "FRAGMENT")
 # torch._scaled_mm takes row-wise scales on CPU from torch 2.13 on; 2.11's asserts inside oneDNN
-CPU_ROWWISE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+CPU_ROWWISE = torch_release() >= (2, 13)
 _LIB.define("fp8_gemm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, ScalarType out_dtype, "
             "bool fast_accum=False) -> Tensor")
 _LIB.define("fp8_gemm_accumulate(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale) -> ()")
