@@ -27,6 +27,7 @@ import os
 import pytest
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from mtl.parallel.optimizer import ReplicatedOptimizer, triton_adamw
 from mtl.parallel.optimizer.adamw_shell import StateEntry
@@ -166,6 +167,40 @@ def test_torch_path_when_asked(monkeypatch):
     monkeypatch.setenv("MTL_TORCH_ADAMW", "1")
     opt = ReplicatedOptimizer([Model(torch.bfloat16)], Topology.build(), **HP)
     assert not opt.uses_triton_adamw
+
+
+@pytest.mark.parametrize("torch_path", [False, True], ids=["triton", "torch"])
+def test_torch_step_hooks_run_around_the_update(monkeypatch, torch_path):
+    """Process-wide and per-optimizer step hooks (mtl-quant's FP8 weight cache goes stale in
+    one) see one step per update, before the weights change and after, on either path."""
+    if torch_path:
+        monkeypatch.setenv("MTL_TORCH_ADAMW", "1")
+    model = Model(torch.bfloat16)
+    opt = ReplicatedOptimizer([model], Topology.build(), **HP)
+    assert opt.uses_triton_adamw is not torch_path
+    weight = opt.entries[0].piece  # the fp32 main weight: both paths update it inside the wrapper
+    seen = []
+
+    def pre(optimizer, args, kwargs):
+        seen.append(("pre", optimizer is opt.inner, args == (opt.inner,), weight.detach().clone()))
+
+    def post(optimizer, args, kwargs):
+        seen.append(("post", optimizer is opt.inner, args == (opt.inner,), weight.detach().clone()))
+
+    handles = [register_optimizer_step_pre_hook(pre),
+               register_optimizer_step_post_hook(post),
+               opt.inner.register_step_pre_hook(pre)]
+    try:
+        before = weight.detach().clone()
+        for e in opt.entries:
+            e.source.main_grad.normal_()
+        opt.clip_and_step(float("inf"))
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert [(when, mine, args) for when, mine, args, _ in seen] == [("pre", True, True)] * 2 + [("post", True, True)]
+    assert torch.equal(seen[0][3], before) and torch.equal(seen[1][3], before)
+    assert not torch.equal(seen[2][3], before)  # the post hook sees the updated weights
 
 
 def test_bf16_rounding_of_ties_and_specials():

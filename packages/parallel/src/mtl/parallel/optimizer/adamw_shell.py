@@ -116,7 +116,15 @@ class AdamWShell:
         grad_scale = getattr(self.inner, "grad_scale", None)
         found_inf = getattr(self.inner, "found_inf", None)
         if self.uses_triton_adamw and self._triton_can_step():
-            triton_adamw.adamw_step(self.inner, self.entries, grad_scale, found_inf)
+            # In place of ``self.inner.step()``, inside the wrapper torch puts around every
+            # optimizer's step: the step hooks (``register_optimizer_step_pre_hook`` and the
+            # rest) run as they would for torch's update, and code outside mtl.parallel relies
+            # on them (mtl-quant marks its FP8 weight caches stale in one: without it the
+            # forwards kept quantizing the first step's weights).
+            def triton_step(optimizer: torch.optim.Optimizer) -> None:
+                triton_adamw.adamw_step(optimizer, self.entries, grad_scale, found_inf)
+
+            torch.optim.Optimizer.profile_hook_step(triton_step)(self.inner)
         else:
             self.inner.step()
             self.copy_main_to_model()
