@@ -5,9 +5,10 @@ Transformer Engine, running their Python) again.
 
 How it fits the rest:
 
-- A graph reads and writes fixed addresses. The layer's input and the rotary tables are
-  copied into the graph's own input tensors at each replay; its output and input gradient
-  live in the graphs' memory pool until the next replay. With one model replica per GPU and
+- A graph reads and writes fixed addresses. The layer's inputs (the residual stream and the
+  previous layer's MLP output it has not added yet, see ``TransformerBlock``) and the rotary
+  tables are copied into the graph's own input tensors at each replay; its outputs and input
+  gradients live in the graphs' memory pool until the next replay. With one model replica per GPU and
   no pipeline (``_check_cuda_graphs`` in mtl.core.config), micro-batch ``i``'s backward ends
   before ``i + 1``'s forward starts, so one graph per layer and direction is enough.
 - Parameters, ``main_grad`` buffers and the optimizer's writes keep their addresses (updates
@@ -37,15 +38,16 @@ log = get_logger(__name__)
 
 
 class _LayerCall(nn.Module):
-    """The call that is captured: ``(hidden, *rotary) -> hidden``, all tensors (what
+    """The call that is captured: ``(hidden, pending, *rotary) -> (hidden, mlp_out)``, the
+    block's call of a layer (``TransformerLayer``'s ``pending``), all tensors (what
     ``make_graphed_callables`` takes), with the layer's parameters as its own."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
         self.layer = layer
 
-    def forward(self, hidden: torch.Tensor, *rotary: torch.Tensor) -> torch.Tensor:
-        return self.layer(hidden, tuple(rotary) if rotary else None, None)
+    def forward(self, hidden: torch.Tensor, pending: torch.Tensor, *rotary: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layer(hidden, tuple(rotary) if rotary else None, None, pending)
 
 
 def _addresses(layer: nn.Module) -> dict[str, int]:
@@ -91,10 +93,12 @@ class GraphedLayer:
                 "layer was captured (a new tensor was assigned to it); the graphs would read freed memory. "
                 "Change parameters in place (copy_), or set train.cuda_graphs = false")
 
-    def __call__(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def __call__(
+        self, hidden: torch.Tensor, pending: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         for hook in self.replay_hooks:
             hook()
-        return self.graphed(hidden, *(rotary or ()))
+        return self.graphed(hidden, pending, *(rotary or ()))
 
 
 def _hooks(layer: nn.Module, name: str) -> list[Callable[[], None]]:
@@ -125,9 +129,10 @@ def capture_layer_graphs(model: nn.Module, micro_batch_size: int, seq_length: in
         for hook in _hooks(layer, "before_graph_capture"):
             hook()
         calls.append(_LayerCall(layer))
-        hidden = torch.randn(seq_length, micro_batch_size, hidden_size, device=device, dtype=dtype,
-                             generator=generator).requires_grad_()
-        samples.append((hidden, *(r.detach().clone() for r in rotary)))
+        hidden, pending = (
+            torch.randn(seq_length, micro_batch_size, hidden_size, device=device, dtype=dtype,
+                        generator=generator).requires_grad_() for _ in range(2))
+        samples.append((hidden, pending, *(r.detach().clone() for r in rotary)))
     # allow_unused_input: the rotary tables need no gradient, and a weight whose gradient the
     # GEMM adds to main_grad itself may return none.
     # The warm-up runs on a side stream, where autograd warns that parameters' AccumulateGrad

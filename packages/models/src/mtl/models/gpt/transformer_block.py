@@ -42,13 +42,21 @@ class TransformerBlock(nn.ModuleDict):
         inference_context: InferenceContext | None = None,
     ) -> torch.Tensor:
         """[s(/tp), b, h] through every layer, in order."""
+        if not len(self):
+            return hidden
         replay = self._graphed and self.training and inference_context is None and torch.is_grad_enabled()
+        # Each layer leaves its MLP's residual add to the next (TransformerLayer's ``pending``),
+        # which does it in its input norm's kernel when compiled. The first layer gets zeros so
+        # that every layer's call has the same signature: one compiled graph for them all (a
+        # None, or a tensor that does not require grad where the others do, is a graph of its
+        # own). The last pending add is the block's.
+        pending = torch.zeros_like(hidden).requires_grad_(torch.is_grad_enabled())
         for key, layer in self.items():
             graphed = self._graphed.get(key) if replay else None
             if graphed is not None and graphed.matches(hidden):
-                hidden = graphed(hidden, rotary)
+                hidden, pending = graphed(hidden, pending, rotary)
             elif self.recompute_full and self.training:
-                hidden = checkpointed(layer, hidden, rotary, inference_context)
+                hidden, pending = checkpointed(layer, hidden, rotary, inference_context, pending)
             else:
-                hidden = layer(hidden, rotary, inference_context)
-        return hidden
+                hidden, pending = layer(hidden, rotary, inference_context, pending)
+        return hidden + pending

@@ -68,10 +68,21 @@ class TransformerLayer(nn.Module):
         hidden: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         inference_context: InferenceContext | None = None,
-    ) -> torch.Tensor:
-        """[s(/tp), b, h] -> [s(/tp), b, h]."""
+        pending: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """[s(/tp), b, h] -> [s(/tp), b, h].
+
+        With ``pending`` (the previous layer's MLP output, not yet added to the residual stream
+        ``hidden``) the layer adds it first and returns ``(hidden, mlp_out)``, its own last
+        residual add left to the next layer (``TransformerBlock``). Compiled per layer, the add
+        then runs inside the input norm's kernel instead of as a kernel of its own at the end
+        of the previous layer's graph: one read and one write of the residual stream less per
+        layer. Eager, the numbers are the same either way."""
+        if pending is not None:
+            hidden = hidden + pending
         attention_in = hidden if self.fuse_input_norm else self.input_norm(hidden)
         attention_out = self.self_attention(attention_in, rotary, inference_context)
         hidden = hidden + F.dropout(attention_out, p=self.hidden_dropout, training=self.training)
         mlp_out = self.mlp(hidden if self.fuse_pre_mlp_norm else self.pre_mlp_norm(hidden))
-        return hidden + F.dropout(mlp_out, p=self.hidden_dropout, training=self.training)
+        mlp_out = F.dropout(mlp_out, p=self.hidden_dropout, training=self.training)
+        return (hidden, mlp_out) if pending is not None else hidden + mlp_out
