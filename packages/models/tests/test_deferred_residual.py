@@ -5,9 +5,21 @@ layer on the summed residual stream."""
 
 import pytest
 import torch
+from torch import nn
 
 from mtl.models.gpt import build_gpt
 from mtl.models.initialization import initialize_parameters
+
+
+class PlainLayer(nn.Module):
+    """A layer of the plain contract only: a fourth argument is a TypeError."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden, rotary=None, inference_context=None):
+        return self.layer(hidden, rotary, inference_context)
 
 
 def _run(model, hidden, rotary, chained: bool):
@@ -23,12 +35,17 @@ def _run(model, hidden, rotary, chained: bool):
     return x.detach(), grads
 
 
+@pytest.mark.parametrize("plain", [(), (1,), (0, 2)], ids=["all-defer", "plain-middle", "plain-ends"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
-def test_deferred_adds_give_the_chained_layers_numbers(make_config, backend, single, style, dtype):
+def test_deferred_adds_give_the_chained_layers_numbers(make_config, backend, single, style, dtype, plain):
+    """``plain``: layers that keep the plain contract ``(hidden, ...) -> hidden`` (a plugin
+    family's layer class): the block hands them the summed stream."""
     config = make_config(style, model={"num_layers": 3, "hidden_dropout": 0.2})
     model = build_gpt(config, single, backend).train().to(dtype)
     initialize_parameters(model, 9, single)
+    for index in plain:
+        model.layers[str(index)] = PlainLayer(model.layers[str(index)])
     hidden = torch.randn(16, 2, 32, dtype=dtype, requires_grad=True)
     positions = torch.arange(16).expand(2, 16)
     rotary = model.rotary(positions) if model.rotary is not None else None

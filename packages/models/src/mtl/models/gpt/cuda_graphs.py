@@ -33,21 +33,26 @@ import torch
 from torch import nn
 
 from mtl.core.log import get_logger
+from mtl.models.gpt.transformer_block import defers_residual_add
 
 log = get_logger(__name__)
 
 
 class _LayerCall(nn.Module):
-    """The call that is captured: ``(hidden, pending, *rotary) -> (hidden, mlp_out)``, the
-    block's call of a layer (``TransformerLayer``'s ``pending``), all tensors (what
-    ``make_graphed_callables`` takes), with the layer's parameters as its own."""
+    """The call that is captured, the block's call of the layer as all tensors (what
+    ``make_graphed_callables`` takes), with the layer's parameters as its own:
+    ``(hidden, pending, *rotary) -> (hidden, mlp_out)`` for a layer that defers its residual add
+    (``TransformerBlock``), else ``(hidden, *rotary) -> hidden``."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
         self.layer = layer
 
-    def forward(self, hidden: torch.Tensor, pending: torch.Tensor, *rotary: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.layer(hidden, tuple(rotary) if rotary else None, None, pending)
+    def forward(self, hidden: torch.Tensor, *rest: torch.Tensor):
+        if defers_residual_add(self.layer):
+            pending, *rotary = rest
+            return self.layer(hidden, tuple(rotary) if rotary else None, None, pending)
+        return self.layer(hidden, tuple(rest) if rest else None, None)
 
 
 def _addresses(layer: nn.Module) -> dict[str, int]:
@@ -93,12 +98,11 @@ class GraphedLayer:
                 "layer was captured (a new tensor was assigned to it); the graphs would read freed memory. "
                 "Change parameters in place (copy_), or set train.cuda_graphs = false")
 
-    def __call__(
-        self, hidden: torch.Tensor, pending: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None, *pending: torch.Tensor):
+        """The layer's call as the block makes it: ``pending`` where the layer defers its residual add."""
         for hook in self.replay_hooks:
             hook()
-        return self.graphed(hidden, pending, *(rotary or ()))
+        return self.graphed(hidden, *pending, *(rotary or ()))
 
 
 def _hooks(layer: nn.Module, name: str) -> list[Callable[[], None]]:
@@ -129,10 +133,10 @@ def capture_layer_graphs(model: nn.Module, micro_batch_size: int, seq_length: in
         for hook in _hooks(layer, "before_graph_capture"):
             hook()
         calls.append(_LayerCall(layer))
-        hidden, pending = (
-            torch.randn(seq_length, micro_batch_size, hidden_size, device=device, dtype=dtype,
-                        generator=generator).requires_grad_() for _ in range(2))
-        samples.append((hidden, pending, *(r.detach().clone() for r in rotary)))
+        streams = [torch.randn(seq_length, micro_batch_size, hidden_size, device=device, dtype=dtype,
+                               generator=generator).requires_grad_()
+                   for _ in range(2 if defers_residual_add(layer) else 1)]  # hidden (, pending)
+        samples.append((*streams, *(r.detach().clone() for r in rotary)))
     # allow_unused_input: the rotary tables need no gradient, and a weight whose gradient the
     # GEMM adds to main_grad itself may return none.
     # The warm-up runs on a side stream, where autograd warns that parameters' AccumulateGrad

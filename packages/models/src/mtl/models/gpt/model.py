@@ -6,7 +6,8 @@ the config picks, the backend supplies the leaves. A pipeline stage builds only 
 ``pre_process`` (the embedding), ``post_process`` (final norm, LM head, loss) and the layers
 of ``layer_range``. ``layer_spec`` is the one thing a gpt-like family changes (e.g. a
 parallel attention + MLP block): ``layer_spec(config, backend) -> ModuleSpec`` of a layer whose
-forward is ``(hidden [s(/tp), b, h], rotary, inference_context) -> hidden``.
+forward is ``(hidden [s(/tp), b, h], rotary, inference_context) -> hidden`` (or, with
+``defers_residual_add``, also ``pending``: see ``TransformerBlock``).
 
 It follows ``mtl.core.model_protocol.LanguageModel``, the contract every family's model keeps.
 """

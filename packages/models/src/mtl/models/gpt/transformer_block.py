@@ -15,6 +15,11 @@ from mtl.models.gpt.inference_context import InferenceContext
 from mtl.models.gpt.recompute import checkpointed
 
 
+def defers_residual_add(layer: nn.Module) -> bool:
+    """Whether ``layer`` takes the previous layer's MLP output unadded (``TransformerBlock.forward``)."""
+    return getattr(layer, "defers_residual_add", False)
+
+
 class TransformerBlock(nn.ModuleDict):
     def __init__(self, spec: ModuleSpec, layer_range: tuple[int, int], num_layers: int, topology, recompute_full: bool):
         start, end = layer_range
@@ -41,22 +46,30 @@ class TransformerBlock(nn.ModuleDict):
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
         inference_context: InferenceContext | None = None,
     ) -> torch.Tensor:
-        """[s(/tp), b, h] through every layer, in order."""
-        if not len(self):
-            return hidden
+        """[s(/tp), b, h] through every layer, in order.
+
+        A layer class with ``defers_residual_add = True`` (``TransformerLayer``) takes the
+        previous layer's MLP output unadded (``pending``) and returns its own unadded, so that
+        under ``train.compile`` each residual add runs inside the next layer's input-norm kernel.
+        The first such layer gets zeros, so that every call has one signature and one compiled
+        graph serves them all (a None, or a tensor that does not require grad where the others
+        do, is a graph of its own). A layer of the plain contract, ``(hidden, rotary,
+        inference_context) -> hidden`` (a plugin family's), gets the sum; the block adds the last."""
         replay = self._graphed and self.training and inference_context is None and torch.is_grad_enabled()
-        # Each layer leaves its MLP's residual add to the next (TransformerLayer's ``pending``),
-        # which does it in its input norm's kernel when compiled. The first layer gets zeros so
-        # that every layer's call has the same signature: one compiled graph for them all (a
-        # None, or a tensor that does not require grad where the others do, is a graph of its
-        # own). The last pending add is the block's.
-        pending = torch.zeros_like(hidden).requires_grad_(torch.is_grad_enabled())
+        pending = None
         for key, layer in self.items():
+            defers = defers_residual_add(layer)
+            if defers and pending is None:
+                pending = torch.zeros_like(hidden).requires_grad_(torch.is_grad_enabled())
+            elif not defers and pending is not None:
+                hidden, pending = hidden + pending, None
+            extra = (pending,) if defers else ()
             graphed = self._graphed.get(key) if replay else None
             if graphed is not None and graphed.matches(hidden):
-                hidden, pending = graphed(hidden, pending, rotary)
+                out = graphed(hidden, rotary, *extra)
             elif self.recompute_full and self.training:
-                hidden, pending = checkpointed(layer, hidden, rotary, inference_context, pending)
+                out = checkpointed(layer, hidden, rotary, inference_context, *extra)
             else:
-                hidden, pending = layer(hidden, rotary, inference_context, pending)
-        return hidden + pending
+                out = layer(hidden, rotary, inference_context, *extra)
+            hidden, pending = out if defers else (out, None)
+        return hidden if pending is None else hidden + pending

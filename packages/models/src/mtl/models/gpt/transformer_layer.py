@@ -36,6 +36,8 @@ def sequence_parallel_norm_kwargs(sequence_parallel: bool, topology) -> dict:
 
 
 class TransformerLayer(nn.Module):
+    defers_residual_add = True  # TransformerBlock passes ``pending`` (see forward)
+
     def __init__(
         self,
         *,
