@@ -7,7 +7,8 @@ A compiled layer's backward runs ``mtl::swiglu_backward`` and ``mtl::rope_qkv_ba
 layer and micro-batch (384 calls per step of the reference model). As opaque ops, their dispatch and
 Triton's JIT launch were the top of the host's profile at tiny shapes (benchmarks/RESULTS.md); as
 ``triton_op``s, a compiled graph launches their kernels from inductor's own code. The rows compare
-the op called eagerly (train.compile off) and inside a compiled function against one ATen kernel.
+the op called eagerly, the kernel's function as the autograd Functions call it when not compiling
+(train.compile off: no op dispatch), and the op inside a compiled function, against one ATen kernel.
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ def main() -> None:
         ("x + 1 (one ATen kernel)", lambda: x + 1),
         ("mtl::swiglu_backward (the op, eager)", lambda: torch.ops.mtl.swiglu_backward(x, g)),
         ("mtl::rope_qkv_backward (the op, eager)", lambda: torch.ops.mtl.rope_qkv_backward(dq, dk, dv, cos, sin)),
+        # what the autograd Functions call when not compiling: the kernel's launch, no op dispatch
+        ("swiglu backward as an eager backward calls it (no op)", lambda: sw._swiglu_backward(x, g, traced=False)),
+        ("rope backward as an eager backward calls it (no op)",
+         lambda: rq._rope_qkv_backward(dq, dk, dv, cos, sin, traced=False)),
         ("compiled x + 1 (a compiled function's own cost + one kernel)", lambda: add_one(x)),
         ("compiled mtl::swiglu_backward", lambda: swiglu_c(x, g)),
         ("compiled mtl::rope_qkv_backward", lambda: rope_c(dq, dk, dv, cos, sin)),
