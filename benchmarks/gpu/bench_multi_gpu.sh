@@ -8,6 +8,7 @@
 # Run from the repository root on the GPU machine: bash benchmarks/gpu/bench_multi_gpu.sh
 # Writes multi_gpu.md, long_multi_gpu.md and moe_multi_gpu.md (tables with scaling efficiency
 # against their one-GPU row) to $OUT. RUN_TIMEOUT (s, default 240) bounds each run.
+# ROWS="gpu1 tp2_sp_mb8 ..." runs only the rows named (each table still needs its one-GPU row).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash benchmarks/gpu/setup.sh
@@ -25,6 +26,7 @@ fi
 rm -rf runs/multi_*  # metrics.jsonl appends, and the table lists every runs/multi_* folder
 run() {  # run NAME NPROC [--set ...]; CONFIG= picks another model (default: the reference)
   local name=$1 nproc=$2; shift 2
+  if [ -n "${ROWS:-}" ] && [[ " $ROWS " != *" $name "* ]]; then return 0; fi
   echo "== $name on $nproc GPU(s)"
   timeout "${RUN_TIMEOUT:-240}" torchrun --standalone --nproc-per-node "$nproc" -m mtl.cli train "${CONFIG:-benchmarks/gpu/llama_reference.toml}" \
     --set train.iters="$ITERS" --set logging.dir="'runs/multi_$name'" "$@" 2>&1 | grep -v "^\[rank[1-9]" | tail -4 || true
@@ -37,6 +39,9 @@ if [ "$SHORT" = 1 ]; then
   else
     run dp2 2
     run tp2_sp 2 --set parallel.tp=2 --set parallel.sequence_parallel=true
+    # a tp=2 rank is bound by its host (RESULTS.md, thirteenth session: 683-888 ms per step for
+    # ~500 ms of kernels); micro-batches of 8 (the same global batch, 20 GiB at 4) halve its launches
+    run tp2_sp_mb8 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.micro_batch_size=8
     # the backward's reduce-scatters beside the weight-gradient GEMMs, as written (gathered_linear)
     run tp2_sp_overlap 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set parallel.overlap_layer_comm=true
     # inductor's C++ wrapper launches the layer's kernels (train.compile_cpp_wrapper): a tp=2
@@ -48,6 +53,7 @@ if [ "$SHORT" = 1 ]; then
     run pp2_vpp2 2 --set parallel.pp=2 --set parallel.vpp=2
     run cp2 2 --set parallel.cp=2  # compiled at cp=2 the config picks k/v all-gathered
     run cp2_ring 2 --set parallel.cp=2 --set parallel.cp_comm_type=p2p
+    run cp2_mb8 2 --set parallel.cp=2 --set train.micro_batch_size=8  # bound by the host as tp=2 is
     # FlashAttention-4 behind SDPA, where installed (benchmarks/gpu/fa4_install.sh, carry .whl/fa4): its
     # Python launches cost ~0.7 ms of host per forward + backward (fa4_host_profile.py), which a
     # host-bound tp=2 rank may not hide
@@ -82,6 +88,6 @@ table() {  # table BASELINE OUTFILE ROW-FOLDERS...
   python3 benchmarks/gpu/summarize.py --baseline "$baseline" $(for d in "$@"; do echo "${d#runs/multi_}=$d/metrics.jsonl"; done) \
     | tee "${OUT:-.}/$out" || true  # a run that failed has no metrics: its table is missing, not the others
 }
-if [ "$SHORT" = 1 ]; then table gpu1 multi_gpu.md $(ls -d runs/multi_* | grep -v "^runs/multi_\(moe\|long\)_"); fi
-if [ "$LONG" = 1 ]; then table long_gpu1 long_multi_gpu.md runs/multi_long_*; fi
-if [ "$MOE" = 1 ]; then table moe_gpu1 moe_multi_gpu.md runs/multi_moe_*; fi
+if [ "$SHORT" = 1 ] && [ -d runs/multi_gpu1 ]; then table gpu1 multi_gpu.md $(ls -d runs/multi_* | grep -v "^runs/multi_\(moe\|long\)_"); fi
+if [ "$LONG" = 1 ] && [ -d runs/multi_long_gpu1 ]; then table long_gpu1 long_multi_gpu.md runs/multi_long_*; fi
+if [ "$MOE" = 1 ] && [ -d runs/multi_moe_gpu1 ]; then table moe_gpu1 moe_multi_gpu.md runs/multi_moe_*; fi
