@@ -47,12 +47,8 @@ from torch import nn
 from mtl.core.errors import ParallelError
 from mtl.parallel.ddp.grad_buffer import Bucket, GradBuffer
 from mtl.parallel.ddp.reduce_group import DENSE, EXPERT, ReduceGroup, is_expert_param
+from mtl.parallel.flat_collectives import all_gather_flat, reduce_scatter_flat
 from mtl.parallel.topology import Topology
-
-# torch 2.13 renamed the flat collectives; the old names still exist (with a warning) and are
-# the only ones on older releases. Both take (output, input, ..., group, async_op).
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class DataParallel(nn.Module):
@@ -227,8 +223,8 @@ class DataParallel(nn.Module):
         self.num_collectives_launched += 1
         if self.use_distributed_optimizer and not bucket.has_shared_embedding:
             lo, hi = bucket.shard_range(reduce_group.rank)
-            bucket.handle = _reduce_scatter(bucket.grad_view[lo:hi], bucket.grad_view, group=reduce_group.group,
-                                            async_op=True)
+            bucket.handle = reduce_scatter_flat(bucket.grad_view[lo:hi], bucket.grad_view,
+                                                 group=reduce_group.group, async_op=True)
         else:
             bucket.handle = dist.all_reduce(bucket.grad_view, group=reduce_group.group, async_op=True)
 
@@ -265,7 +261,7 @@ class DataParallel(nn.Module):
             if reduce_group.group is None:
                 continue
             lo, hi = bucket.shard_range(reduce_group.rank)
-            self._param_gather_handles[index] = _all_gather(
+            self._param_gather_handles[index] = all_gather_flat(
                 bucket.param_view, bucket.param_view[lo:hi], group=reduce_group.group, async_op=True
             )
         if not self.overlap_param_gather:

@@ -23,15 +23,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from mtl.core.errors import ParallelError
 from mtl.parallel.ddp import DataParallel
+from mtl.parallel.flat_collectives import all_gather_flat
 from mtl.parallel.optimizer.adamw_shell import AdamWShell, StateEntry, main_copy
 from mtl.parallel.topology import Topology
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _shard_entries(chunks: list[DataParallel]) -> list[StateEntry]:
@@ -109,7 +107,7 @@ class DistributedOptimizer(AdamWShell):
                             gathered[moment] = shard
                         else:
                             gathered[moment] = torch.empty(bucket.numel, dtype=buf.dtype, device=buf.device)
-                            _all_gather(gathered[moment], shard, group=group)
+                            all_gather_flat(gathered[moment], shard, group=group)
                     for slot in bucket.slots:
                         start, end = slot.start - bucket.start, slot.end - bucket.start
                         yield slot.param, {m: t[start:end].view_as(slot.param) for m, t in gathered.items()}

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mtl.parallel.flat_collectives import all_gather_flat, reduce_scatter_flat
+
 _functional = torch.ops._c10d_functional
 
 
@@ -61,7 +63,7 @@ def all_gather_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         return x
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] * size, *moved.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, moved, group=group)
+    all_gather_flat(out, moved, group=group)
     return out.movedim(0, dim)
 
 
@@ -80,7 +82,7 @@ def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         out = summed.chunk(size, dim=0)[group_rank(group)].contiguous()
     else:
         out = torch.empty((moved.shape[0] // size, *moved.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.reduce_scatter_tensor(out, moved, group=group)
+        reduce_scatter_flat(out, moved, group=group)
     return out.movedim(0, dim)
 
 

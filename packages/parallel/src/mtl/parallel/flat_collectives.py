@@ -1,0 +1,13 @@
+"""torch.distributed's all-gather and reduce-scatter of one flat tensor, under this torch's name.
+
+torch 2.13 renamed them (``all_gather_into_tensor`` -> ``all_gather_single``,
+``reduce_scatter_tensor`` -> ``reduce_scatter_single``) and the old names warn on every call
+(a FutureWarning per rank in each run's log); torch 2.11, the GPU machines' release, has only
+the old names. Both take ``(output, input, [op,] group=..., async_op=...)``, and dynamo turns
+either into torch's functional collectives inside a compiled region.
+"""
+
+import torch.distributed as dist
+
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
