@@ -108,7 +108,8 @@ class ParallelConfig:
     # its collectives instead of moving each start next to its wait (to lower peak memory), so
     # sequence parallelism's backward reduce-scatter runs beside the weight-gradient GEMM and
     # the all-gathered cp k/v travel while the own block's attention runs. The same kernels
-    # compute the same numbers. Off by default until measured on 2 GPUs (with peak memory).
+    # compute the same numbers. Off by default: on 2 H200s it slowed the reference model's
+    # tp=2 + sp step (0.903 against 0.757 s, benchmarks/RESULTS.md), whose rank is bound by its host.
     overlap_layer_comm: bool = False
     # Distributed optimizer only: all-gather updated parameters asynchronously after the step
     # and wait per bucket just before the next forward uses them (Megatron's --overlap-param-gather).
