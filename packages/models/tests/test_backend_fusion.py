@@ -15,6 +15,7 @@ from mtl.core.plugins import registry
 from mtl.models.gpt import build_gpt
 from mtl.models.param_layout import gather_global_state
 from mtl.models.swiglu import swiglu
+from mtl.parallel.sequence_parallel_grads import allreduce_sequence_parallel_grads
 from mtl.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from mtl.parallel.testing import run_distributed
 from mtl.parallel.topology import Topology
@@ -69,6 +70,7 @@ def loss_and_grads(config, backend):
     labels = torch.randint(0, 100, (2, 16), generator=generator)
     loss = model(ids, labels=labels)
     loss.mean().backward()
+    allreduce_sequence_parallel_grads(model.parameters(), topology.tp_group)  # what DataParallel does
     return model, loss.detach(), gather_global_state(model, topology, grads=True)
 
 
@@ -94,7 +96,8 @@ def _tp_worker(configs):
 
 
 def test_fused_leaves_under_tp2_sequence_parallel(make_config):
-    """The norm gradients under SP are summed over TP by the norm the layer built."""
+    """Under SP the fused leaves use the layer's norm parameters, so the norm gradients are
+    marked for the per-step sum over TP as the unfused norm's are."""
     configs = {style: make_config(style, world_size=2, parallel={"tp": 2, "sequence_parallel": True})
                for style in ("gpt2", "llama")}
     results = run_distributed(_tp_worker, 2, (configs,))

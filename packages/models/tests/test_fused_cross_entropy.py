@@ -9,6 +9,7 @@ from mtl.core.config import RunConfig
 from mtl.core.plugins import registry
 from mtl.models.gpt import build_gpt
 from mtl.models.param_layout import gather_global_state
+from mtl.parallel.sequence_parallel_grads import allreduce_sequence_parallel_grads
 from mtl.parallel.tensor_parallel.linear_cross_entropy import supports_fused_cross_entropy
 from mtl.parallel.testing import run_distributed
 from mtl.parallel.topology import Topology
@@ -54,6 +55,7 @@ def run(config, fused: bool, autocast: bool = False):
         loss = model(ids, labels=labels)
     assert loss.shape == (2, 16) and loss.dtype == torch.float32
     ((loss * mask).sum() / mask.sum()).backward()
+    allreduce_sequence_parallel_grads(model.parameters(), topology.tp_group)  # what DataParallel does
     return loss.detach(), gather_global_state(model, topology, grads=True)
 
 

@@ -8,6 +8,7 @@ from mtl.core.plugins import registry
 from mtl.models.gpt import build_gpt
 from mtl.models.moe import set_aux_loss_scale
 from mtl.models.param_layout import gather_global_state
+from mtl.parallel.sequence_parallel_grads import allreduce_sequence_parallel_grads
 from mtl.parallel.testing import run_distributed
 from mtl.parallel.topology import Topology
 
@@ -38,6 +39,7 @@ def train_steps(config):
         model.zero_grad()
         loss = model(ids, labels=labels)
         loss.mean().backward()
+        allreduce_sequence_parallel_grads(model.parameters(), topology.tp_group)  # what DataParallel does
         losses.append(loss.detach())
         grads.append(gather_global_state(model, topology, grads=True))
         with torch.no_grad():

@@ -7,6 +7,7 @@ from mtl.core.plugins import registry
 from mtl.models.gpt import build_gpt
 from mtl.models.initialization import initialize_parameters
 from mtl.models.param_layout import gather_global_state
+from mtl.parallel.sequence_parallel_grads import allreduce_sequence_parallel_grads
 from mtl.parallel.testing import run_distributed
 from mtl.parallel.topology import Topology
 
@@ -29,6 +30,7 @@ def loss_and_grads(config):
     ids, labels = batch()
     loss = model(ids, labels=labels)  # [b, s]
     loss.mean().backward()
+    allreduce_sequence_parallel_grads(model.parameters(), topology.tp_group)  # what DataParallel does
     return loss.detach(), initial, gather_global_state(model, topology, grads=True)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from mtl.parallel.testing import run_distributed
-from mtl.train.testing import LAYOUTS, compare_with_reference, has_full_grads, run_tiny
+from mtl.train.testing import LAYOUTS, compare_with_reference, run_tiny
 
 
 def _run_compiled(overrides: list[str], with_grads: bool) -> dict:
@@ -62,7 +62,7 @@ CASES = {
 def test_compiled_layout_equals_eager_one_process(name, eager_reference):
     layout, extra = CASES[name]
     world, overrides = LAYOUTS[layout]
-    results = run_distributed(_run_compiled, world, args=([*overrides, *extra], has_full_grads(layout)))
+    results = run_distributed(_run_compiled, world, args=([*overrides, *extra], True))
     compare_with_reference(f"{name} compiled", results, eager_reference)
     for rank, result in enumerate(results):
         breaks = result["graph_breaks"]

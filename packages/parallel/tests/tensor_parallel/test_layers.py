@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mtl.parallel.sequence_parallel_grads import allreduce_sequence_parallel_grads, has_sequence_parallel_grad
 from mtl.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from mtl.parallel.tensor_parallel.sharding import full_from_shards
 from mtl.parallel.testing import run_distributed
@@ -68,6 +69,9 @@ def mlp_equivalence(sequence_parallel: bool, device: str):
     y.backward(dy)
 
     if sequence_parallel:
+        # the row bias sees this rank's tokens only: its gradient is summed at the step's end
+        assert [p for p in (*col.parameters(), *row.parameters()) if has_sequence_parallel_grad(p)] == [row.bias]
+        assert allreduce_sequence_parallel_grads([*col.parameters(), *row.parameters()], group) == 1
         assert y.shape == (S // 2, B, H)
         y, x_grad = gather_dim(y, 0, group), gather_dim(x.grad, 0, group)
     else:

@@ -2,7 +2,9 @@
 bare mappings are each other's adjoints.
 
 Block: y = x + Row(gelu(Column(norm(x)))), with x ``[s/tp, b, h]`` under SP. The norm's
-weight is replicated; its gradient must be complete on every rank (summed over TP).
+weight and the row layer's bias are replicated: backward leaves each rank its own tokens' part
+of their gradients, with no collective of their own, and ``allreduce_sequence_parallel_grads``
+(what ``DataParallel.finish_grad_sync`` runs once per step) completes them on every rank.
 """
 
 import pytest
@@ -18,6 +20,7 @@ from mtl.parallel.tensor_parallel import (
     scatter_to_sequence_parallel,
     scatter_to_tensor_parallel,
 )
+from mtl.parallel.sequence_parallel_grads import allreduce_sequence_parallel_grads, has_sequence_parallel_grad
 from mtl.parallel.testing import run_distributed
 from mtl.parallel.topology import Topology
 
@@ -67,7 +70,23 @@ def block_equivalence(norm_cls, device):
     x = t["x"].chunk(2, dim=0)[topo.tp_rank].clone().requires_grad_()  # [s/tp, b, h]
     y = x + row(torch.nn.functional.gelu(col(norm(x))))
     assert y.shape == (S // 2, B, H)
-    y.backward(t["dy"].chunk(2, dim=0)[topo.tp_rank])
+    all_reduces = []
+    real_all_reduce = dist.all_reduce
+    dist.all_reduce = lambda tensor, *args, **kwargs: all_reduces.append(tensor.shape) or real_all_reduce(
+        tensor, *args, **kwargs)
+    try:
+        y.backward(t["dy"].chunk(2, dim=0)[topo.tp_rank])
+    finally:
+        dist.all_reduce = real_all_reduce
+    assert all_reduces == [], all_reduces  # the replicated parameters' gradients wait for the step's end
+    replicated = [p for p in (norm.weight, norm.bias, row.bias) if p is not None]
+    assert all(has_sequence_parallel_grad(p) for p in replicated)
+    assert not any(has_sequence_parallel_grad(p) for p in (col.weight, col.bias, row.weight))
+    partial = [p.grad.clone() for p in replicated]
+    params = [*norm.parameters(), *col.parameters(), *row.parameters()]
+    assert allreduce_sequence_parallel_grads(params, topo.tp_group) == 1  # one dtype: one all-reduce
+    for before, param in zip(partial, replicated):  # this rank's tokens' share, not the whole yet
+        assert not torch.allclose(before, param.grad)
 
     torch.testing.assert_close(gather_dim(y, 0, topo.tp_group), y_ref, **TOL)
     torch.testing.assert_close(gather_dim(x.grad, 0, topo.tp_group), x_ref.grad, **TOL)

@@ -4,10 +4,25 @@ torch 2.13 renamed them (``all_gather_into_tensor`` -> ``all_gather_single``,
 ``reduce_scatter_tensor`` -> ``reduce_scatter_single``) and the old names warn on every call
 (a FutureWarning per rank in each run's log); torch 2.11, the GPU machines' release, has only
 the old names. Both take ``(output, input, [op,] group=..., async_op=...)``, and dynamo turns
-either into torch's functional collectives inside a compiled region.
+either into torch's functional collectives inside a compiled region. Also: many small tensors
+summed in one all-reduce (``all_reduce_as_one``).
 """
 
+from collections.abc import Sequence
+
+import torch
 import torch.distributed as dist
 
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_reduce_as_one(tensors: Sequence[torch.Tensor], group) -> None:
+    """Sum each tensor over ``group`` in place with one all-reduce of their concatenation (one
+    launch and one wait instead of one per tensor); all must have one dtype."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset: offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()

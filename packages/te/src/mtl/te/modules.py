@@ -11,9 +11,10 @@
   use *its* parameters: TE's ``layer_norm_weight`` is replaced by the norm's ``weight``. The norm
   module is registered first in the layer, so ``named_parameters`` names them ``input_norm.weight``.
 - Under sequence parallelism a replicated parameter that sees only ``[s/tp]`` of the tokens
-  (norm weights, a row layer's bias) gets partial gradients from TE; mtl has no separate
-  all-reduce step for them (Megatron's ``sequence_parallel`` attribute), so a gradient hook sums
-  them over TP, as mtl's local norms do.
+  (norm weights, a row layer's bias) gets partial gradients from TE. It is marked
+  (``mark_sequence_parallel_grad``), as the local backend's are, and ``DataParallel`` sums the
+  marked gradients over TP once per step (Megatron's ``sequence_parallel`` attribute and its
+  ``finalize_model_grads``).
 - FP8: each module runs its forward inside ``transformer_engine.pytorch.autocast`` with the TE
   recipe of ``train.fp8`` (delayed, current, blockwise), amaxes reduced over the TP group.
 """
@@ -21,13 +22,13 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from mtl.core.errors import ConfigError
 from mtl.core.log import get_logger
 from mtl.core.registrations import Fp8Settings
 from mtl.parallel.random import get_rng_tracker
+from mtl.parallel.sequence_parallel_grads import mark_sequence_parallel_grad
 from mtl.te.availability import require_te
 from mtl.te.config_checks import FAST_ACCUMULATION_REFUSED
 
@@ -60,20 +61,6 @@ def fp8_shape_ok(x: torch.Tensor, recipe) -> bool:
     """FP8 on, and TE's FP8 GEMM takes this many tokens (a multiple of 16). A KV-cache decoding
     step (a few tokens) runs in the compute precision instead: TE refuses it otherwise."""
     return recipe is not None and (x.numel() // x.shape[-1]) % 16 == 0
-
-
-def sum_grad_over_tp(param: nn.Parameter, tp_group) -> None:
-    """Sum ``param``'s gradient over TP (once per parameter, however many modules use it)."""
-    if tp_group is None or getattr(param, "_mtl_tp_grad_sum", False):
-        return
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.clone()
-        dist.all_reduce(grad, group=tp_group)
-        return grad
-
-    param.register_hook(hook)
-    param._mtl_tp_grad_sum = True
 
 
 def _tag(param: nn.Parameter | None, split_dim: int | None, stride: int = 1) -> None:
@@ -235,7 +222,7 @@ class TERowParallelLinear(_PlainLinearAccumulation, _Fp8StateAsTensors, _Fp8Forw
                          parallel_mode="row", device="cuda")
         _tag(self.weight, 1)
         if bias and sp:  # added after the reduce-scatter: each rank sees its tokens only
-            sum_grad_over_tp(self.bias, group)
+            mark_sequence_parallel_grad(self.bias)
         self._setup_fp8(fp8, group)
 
 
@@ -245,9 +232,9 @@ def build_norm(hidden_size: int, *, kind: str, eps: float, topology=None, sequen
         raise ConfigError(f"model.normalization = '{kind}' is not a norm the te backend builds ({sorted(classes)})")
     norm = classes[kind](hidden_size, eps=eps, device="cuda")
     norm.mtl_kind, norm.mtl_eps = kind, eps  # what a fused leaf needs to apply it
-    if sequence_parallel:
+    if sequence_parallel and _tp(topology)[0] > 1:
         for param in norm.parameters():
-            sum_grad_over_tp(param, _tp(topology)[1])
+            mark_sequence_parallel_grad(param)
     return norm
 
 
@@ -325,7 +312,7 @@ class TENormMLP(nn.Module):
                 param.tp_stride = 2
         _tag(self.linear_fc2.weight, 1)
         if bias and sp:
-            sum_grad_over_tp(self.linear_fc2.bias, group)
+            mark_sequence_parallel_grad(self.linear_fc2.bias)
         self._te_recipe = te_recipe_for(fp8)
         fused._te_recipe = self._te_recipe
         self._amax_group = group

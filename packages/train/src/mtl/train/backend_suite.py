@@ -36,7 +36,7 @@ import torch
 
 from mtl.core.config_io import load_config
 from mtl.parallel.testing import run_distributed
-from mtl.train.testing import LAYOUTS, TINY, assemble, has_full_grads, run_tiny
+from mtl.train.testing import LAYOUTS, TINY, assemble, run_tiny
 
 __all__ = ["test_layouts_equal_one_process", "test_checkpoint_round_trip", "test_generation_with_kv_cache"]
 
@@ -66,13 +66,13 @@ def test_layouts_equal_one_process(backend_case: BackendCase) -> None:
     ref_grads = assemble([reference])
     for layout in backend_case.layouts:
         world, overrides = LAYOUTS[layout]
-        results = _run(backend_case, overrides, world, has_full_grads(layout))
+        results = _run(backend_case, overrides, world, True)
         losses = next(r["losses"] for r in results if r["last_stage"])
         assert list(losses) == list(ref_losses), f"{backend_case.name} {layout}: steps differ"
         for step, ref in ref_losses.items():
             assert abs(losses[step] - ref) <= backend_case.loss_rtol * abs(ref), (
                 f"{backend_case.name} {layout} step {step}: loss {losses[step]} vs one process {ref}")
-        if not has_full_grads(layout) or backend_case.grad_rel is None:
+        if backend_case.grad_rel is None:
             continue
         grads = assemble(results)
         assert set(grads) == set(ref_grads), f"{backend_case.name} {layout}: {set(grads) ^ set(ref_grads)}"

@@ -40,6 +40,8 @@ LAYOUTS = {
     "cp2_allgather": (2, ["parallel.cp=2", "parallel.cp_comm_type='all_gather'"]),
     "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
     "tp2_dp2": (4, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    # the norms' gradients summed over TP after the reduce-scatter, on each rank's shard
+    "tp2_dp2_distopt": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.distributed_optimizer=true"]),
     "dp2_pp2": (4, ["parallel.pp=2"]),
     "dp4_distopt": (4, ["parallel.distributed_optimizer=true"]),
 }
@@ -65,16 +67,35 @@ def run_tiny(overrides: list[str], with_grads: bool = True) -> dict:
     run = result.run
     grads: dict[str, torch.Tensor] = {}
     if with_grads:
+        if cfg.parallel.distributed_optimizer:
+            complete_sharded_grads(run.chunks)
         for chunk in run.chunks:  # TP-gathered; each pipeline stage reports its own layers
             gathered = gather_global_state(getattr(chunk, "module", chunk), run.topology, grads=True)
             grads.update({name: grad.cpu() for name, grad in gathered.items()})
     return {"losses": result.losses, "grads": grads, "last_stage": run.topology.is_last_stage}
 
 
-def has_full_grads(layout: str) -> bool:
-    """False under the distributed optimizer: gradients are reduce-scattered, each rank keeps
-    only its shard's, so only the losses are compared."""
-    return "parallel.distributed_optimizer=true" not in LAYOUTS[layout][1]
+def complete_sharded_grads(ddp_chunks: list) -> None:
+    """Under the distributed optimizer a rank's ``main_grad`` holds the reduced gradient only on
+    its shard (``param.dp_owned_grad_range``, what its optimizer updates): put every rank's
+    shard together over the reduce group, so that the gradients compared are the ones the
+    optimizers used, whole on every rank as without it."""
+    import torch.distributed as dist
+
+    from mtl.parallel.ddp import accumulated_grad, is_expert_param
+    from mtl.parallel.ddp.reduce_group import DENSE, EXPERT
+
+    for chunk in ddp_chunks:
+        for param in chunk.module.parameters():
+            grad = accumulated_grad(param)
+            group = chunk.reduce_groups[EXPERT if is_expert_param(param) else DENSE].group
+            if grad is None or group is None:
+                continue
+            first, last = param.dp_owned_grad_range
+            owned = torch.zeros_like(grad).view(-1)
+            owned[first:last] = grad.reshape(-1)[first:last]
+            dist.all_reduce(owned, group=group)
+            grad.copy_(owned.view_as(grad))
 
 
 def run_layout(layout: str, extra: list[str] = (), backend: str = "gloo") -> list[dict]:
@@ -82,7 +103,7 @@ def run_layout(layout: str, extra: list[str] = (), backend: str = "gloo") -> lis
     from mtl.parallel.testing import run_distributed
 
     world, overrides = LAYOUTS[layout]
-    return run_distributed(run_tiny, world, args=([*overrides, *extra], has_full_grads(layout)), backend=backend)
+    return run_distributed(run_tiny, world, args=([*overrides, *extra],), backend=backend)
 
 
 def compare_with_reference(layout: str, results: list[dict], reference: dict) -> dict[str, float]:
@@ -95,7 +116,7 @@ def compare_with_reference(layout: str, results: list[dict], reference: dict) ->
     loss_diff = max(abs(losses[s] - ref_losses[s]) / max(1.0, abs(ref_losses[s])) for s in ref_losses)
     assert loss_diff < LOSS_RTOL, f"{layout}: losses {losses} vs one process {ref_losses}"
     grad_diff = 0.0
-    if any(r.get("grads") for r in results):  # runs under the distributed optimizer bring none
+    if any(r.get("grads") for r in results):
         grads, ref_grads = assemble(results), assemble([reference])
         assert set(grads) == set(ref_grads), f"{layout}: parameters differ: {set(grads) ^ set(ref_grads)}"
         for name, ref in ref_grads.items():

@@ -13,7 +13,9 @@ Tensor parallelism (with or without sequence parallelism), activations ``[s(/tp)
 Gradients: the router's and everything downstream of the all-reduce are complete on each TP
 rank, so the router weight needs no reduction; the experts' input gradient is a partial sum
 per rank and is all-reduced where the tokens enter them (``copy_to_tensor_parallel``). The
-gathered input therefore sends back only this rank's slice of a complete gradient.
+gathered input therefore sends back only this rank's slice of a complete gradient. Under SP
+the shared-expert gate (replicated) sees only this rank's tokens: it is marked for the
+per-step sum over TP (``mtl.parallel.sequence_parallel_grads``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from mtl.models.moe.dispatch import build_dispatcher
 from mtl.models.moe.experts import GroupedExperts
 from mtl.models.moe.metrics import MoEStats
 from mtl.models.moe.router import TopKRouter
+from mtl.parallel.sequence_parallel_grads import mark_sequence_parallel_grad
 from mtl.parallel.tensor_parallel import mappings
 
 
@@ -85,6 +88,8 @@ class MoELayer(nn.Module):
                 self.shared_experts_gate = nn.Linear(hidden_size, 1, bias=False)
                 self.shared_experts_gate.weight.init_kind = "normal"
                 nn.init.normal_(self.shared_experts_gate.weight, std=init_std)
+                if self.sequence_parallel:  # each rank gates its own tokens: a partial gradient
+                    mark_sequence_parallel_grad(self.shared_experts_gate.weight)
         self.aux_loss_scale = aux_loss_scale  # see mtl.models.moe.aux_loss
         self.stats = MoEStats()
 
@@ -111,10 +116,8 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             shared = self.shared_experts(hidden)  # [s(/tp), b, h]; its linears do their own TP
             if self.shared_experts_gate is not None:
-                gate_weight = self.shared_experts_gate.weight
-                if self.sequence_parallel:  # each rank gates its own tokens: sum the weight's gradient
-                    gate_weight = mappings.copy_to_tensor_parallel(gate_weight, self.tp_group)
-                shared = torch.sigmoid(F.linear(hidden, gate_weight)) * shared  # gate [s(/tp), b, 1]
+                gate = torch.sigmoid(F.linear(hidden, self.shared_experts_gate.weight))  # [s(/tp), b, 1]
+                shared = gate * shared
             output = output + shared
         output = attach_aux_loss(output, routing.aux_loss + routing.z_loss, self.aux_loss_scale)
         if self.training:  # last: outside torch.compile's graph (see MoEStats.record)

@@ -1,9 +1,10 @@
 """LayerNorm and RMSNorm that compute in fp32 and return the input's dtype.
 
 Under sequence parallelism the norm sees ``[s/tp, b, h]`` with a weight replicated over TP;
-pass the topology and ``sequence_parallel=True`` and the weight (and bias) gradients are
-summed over the TP group in backward, so they are complete on every rank. The weight (gain)
-starts at one and the bias at zero (``init_kind``, read by initialisation).
+pass the topology and ``sequence_parallel=True`` and the weight (and bias) are marked so that
+their gradients, partial on each rank, are summed over the TP group once per step
+(``mtl.parallel.sequence_parallel_grads``). The weight (gain) starts at one and the bias at
+zero (``init_kind``, read by initialisation).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtl.core.model_protocol import tag_init
-from mtl.parallel.tensor_parallel.mappings import copy_to_tensor_parallel
+from mtl.parallel.sequence_parallel_grads import mark_sequence_parallel_grad
 
 
 class _Norm(nn.Module):
@@ -23,19 +24,17 @@ class _Norm(nn.Module):
         self.eps = eps
         self.weight = tag_init(nn.Parameter(torch.ones(hidden_size)), "ones")
         self.bias = tag_init(nn.Parameter(torch.zeros(hidden_size)), "zeros") if with_bias else None
-        tp_group = topology.tp_group if topology is not None else None
-        self._sp_group = tp_group if sequence_parallel else None
+        self.sequence_parallel = sequence_parallel and topology is not None and topology.tp > 1
+        if self.sequence_parallel:
+            mark_sequence_parallel_grad(self.weight)
+            mark_sequence_parallel_grad(self.bias)
 
     def _params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """fp32 views of weight and bias; under SP their gradients are summed over TP."""
-        weight, bias = self.weight, self.bias
-        if self._sp_group is not None:
-            weight = copy_to_tensor_parallel(weight, self._sp_group)
-            bias = copy_to_tensor_parallel(bias, self._sp_group) if bias is not None else None
-        return weight.float(), (bias.float() if bias is not None else None)
+        """fp32 views of weight and bias."""
+        return self.weight.float(), (self.bias.float() if self.bias is not None else None)
 
     def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}, sequence_parallel={self._sp_group is not None}"
+        return f"{self.hidden_size}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
 
 
 class LayerNorm(_Norm):

@@ -28,6 +28,12 @@ parameters outside a forward (a checkpoint save, say) must call ``finish_param_s
 first; ``state_dict``, ``load_state_dict``, ``gather_params`` and the distributed
 optimizer's step do it themselves.
 
+Parameters marked ``mark_sequence_parallel_grad`` (norm weights, row biases under sequence
+parallelism: each TP rank's gradient covers its own part of the sequence) are summed over
+the TP group at the end of ``finish_grad_sync``, all of them in one all-reduce per dtype
+(``mtl.parallel.sequence_parallel_grads``). With the distributed optimizer only this rank's
+shard of them is then the full gradient, as for every other parameter.
+
 Parameters flagged ``param.shared_embedding`` are averaged over data parallel like any other;
 their sum over the pipeline's embedding group belongs to the pipeline code. That sum adds
 whole gradients of two differently laid-out stages, so a bucket holding such a parameter is
@@ -48,6 +54,7 @@ from mtl.core.errors import ParallelError
 from mtl.parallel.ddp.grad_buffer import Bucket, GradBuffer
 from mtl.parallel.ddp.reduce_group import DENSE, EXPERT, ReduceGroup, is_expert_param
 from mtl.parallel.flat_collectives import all_gather_flat, reduce_scatter_flat
+from mtl.parallel.sequence_parallel_grads import allreduce_sequence_parallel_grads, has_sequence_parallel_grad
 from mtl.parallel.topology import Topology
 
 
@@ -119,6 +126,8 @@ class DataParallel(nn.Module):
                 for slot, first, last in buf.owned_ranges(buf.reduce_group.rank):
                     slot.param.dp_owned_grad_range = (first, last)
 
+        # summed over TP by finish_grad_sync, in this order on every TP rank (the same module part)
+        self._sequence_parallel_params = [p for _, p in named if has_sequence_parallel_grad(p)]
         self._sync_enabled = True  # False inside no_sync()
         self._synced = False  # finish_grad_sync() done since the last backward / zero_grad
         self._next_launch = 0  # index into self.buckets of the next collective to start
@@ -229,8 +238,8 @@ class DataParallel(nn.Module):
             bucket.handle = dist.all_reduce(bucket.grad_view, group=reduce_group.group, async_op=True)
 
     def finish_grad_sync(self) -> None:
-        """Wait for every bucket's collective (launching those not started yet). Idempotent
-        until the next backward."""
+        """Wait for every bucket's collective (launching those not started yet), then sum the
+        sequence-parallel parameters' gradients over TP. Idempotent until the next backward."""
         if not self._sync_enabled:
             raise ParallelError("finish_grad_sync() was called inside model.no_sync(); call it after the last micro-batch")
         if self._synced:
@@ -242,6 +251,7 @@ class DataParallel(nn.Module):
             if bucket.handle is not None:
                 bucket.handle.wait()
         self._reset_buckets()
+        allreduce_sequence_parallel_grads(self._sequence_parallel_params, self.topology.tp_group)
         self._synced = True
 
     @torch.no_grad()

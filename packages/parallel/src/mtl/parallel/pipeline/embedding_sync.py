@@ -8,8 +8,9 @@ both the full gradient of the shared weight, so identical optimizer steps keep t
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from mtl.parallel.flat_collectives import all_reduce_as_one
 
 
 def shared_embedding_params(model_chunks: list[nn.Module]) -> list[nn.Parameter]:
@@ -38,10 +39,4 @@ def allreduce_shared_embedding_grads(model_chunks: list[nn.Module], topology) ->
                 param.grad = torch.zeros_like(param)
             grad = param.grad
         grads.append(grad)
-    # One all-reduce for all of them: [sum of numel] flat buffer, then copied back.
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for grad in grads:
-        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-        offset += grad.numel()
+    all_reduce_as_one(grads, group)

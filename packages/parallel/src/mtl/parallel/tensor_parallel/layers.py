@@ -22,6 +22,7 @@ from torch import nn
 
 from mtl.core.errors import ParallelError
 from mtl.core.model_protocol import tag_init
+from mtl.parallel.sequence_parallel_grads import mark_sequence_parallel_grad
 from mtl.parallel.tensor_parallel import mappings, wgrad_fusion
 from mtl.parallel.tensor_parallel.collectives import StartedCollectives
 from mtl.parallel.tensor_parallel.gathered_linear import gathered_linear
@@ -157,6 +158,8 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=params_dtype, device=device))
             tag_init(self.bias, "zeros")
+            if self.sequence_parallel:  # each rank adds it to its own tokens: a partial gradient
+                mark_sequence_parallel_grad(self.bias)
         else:
             self.register_parameter("bias", None)
         self.init_std = init_std
@@ -188,11 +191,7 @@ class RowParallelLinear(nn.Module):
             y = mappings.reduce_from_tensor_parallel(partial, self.tp_group)
         if self.bias is None:
             return y
-        bias = self.bias
-        if self.sequence_parallel:
-            # each rank sees a different part of the sequence: sum the bias gradient over TP
-            bias = mappings.copy_to_tensor_parallel(bias, self.tp_group)
-        return y + bias
+        return y + self.bias
 
     def extra_repr(self) -> str:
         return (
