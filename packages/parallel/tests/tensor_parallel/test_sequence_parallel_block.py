@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from mtl.parallel.backend_local import LayerNorm, RMSNorm
+from mtl.parallel.sequence_parallel_grads import allreduce_sequence_parallel_grads, has_sequence_parallel_grad
 from mtl.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -20,7 +21,6 @@ from mtl.parallel.tensor_parallel import (
     scatter_to_sequence_parallel,
     scatter_to_tensor_parallel,
 )
-from mtl.parallel.sequence_parallel_grads import allreduce_sequence_parallel_grads, has_sequence_parallel_grad
 from mtl.parallel.testing import run_distributed
 from mtl.parallel.topology import Topology
 
