@@ -87,11 +87,11 @@ def complete_sharded_grads(ddp_chunks: list) -> None:
 
     for chunk in ddp_chunks:
         for param in chunk.module.parameters():
-            grad = accumulated_grad(param)
+            grad, owned_range = accumulated_grad(param), getattr(param, "dp_owned_grad_range", None)
             group = chunk.reduce_groups[EXPERT if is_expert_param(param) else DENSE].group
-            if grad is None or group is None:
+            if grad is None or owned_range is None or group is None:  # frozen, or one replica
                 continue
-            first, last = param.dp_owned_grad_range
+            first, last = owned_range
             owned = torch.zeros_like(grad).view(-1)
             owned[first:last] = grad.reshape(-1)[first:last]
             dist.all_reduce(owned, group=group)
