@@ -64,15 +64,18 @@ def test_objects_from_before_the_loop_are_frozen_during_it():
 
 
 def test_someone_elses_freeze_and_a_collector_already_off_are_left_alone():
+    """The frozen count may only fall (a frozen object whose last referrer goes in a collection
+    is freed): a freeze of ours on top would raise it by at least the objects made inside, an
+    unfreeze would drop it to zero."""
     gc.disable()
     gc.freeze()
     frozen = gc.get_freeze_count()
     try:
         with ManualGC(5) as collector:
             made_inside = [Cycle() for _ in range(10)]  # noqa: F841 - objects a freeze of ours would take
-            assert gc.get_freeze_count() == frozen  # nothing frozen on top
+            assert gc.get_freeze_count() <= frozen  # nothing frozen on top
             collector.maybe_collect(5)
-        assert not gc.isenabled() and gc.get_freeze_count() == frozen
+        assert not gc.isenabled() and 0 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
         gc.enable()
