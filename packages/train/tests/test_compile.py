@@ -10,13 +10,13 @@ from mtl.parallel.testing import run_distributed
 from mtl.train.testing import LAYOUTS, compare_with_reference, run_tiny
 
 
-def _run_compiled(overrides: list[str], with_grads: bool) -> dict:
+def _run_compiled(overrides: list[str]) -> dict:
     from torch._dynamo.utils import counters
 
     from mtl.train.compile import graph_breaks
 
     counters.clear()
-    result = run_tiny([*overrides, "train.compile=true"], with_grads)
+    result = run_tiny([*overrides, "train.compile=true"])
     result["graph_breaks"] = graph_breaks()
     result["layer_graphs"] = _layer_graphs()
     return result
@@ -37,7 +37,7 @@ def eager_reference() -> dict:
 
 
 def test_one_process_compiled_equals_eager_in_one_graph(eager_reference):
-    compiled = _run_compiled([], with_grads=True)
+    compiled = _run_compiled([])
     assert compiled["graph_breaks"] == {}
     assert compiled["layer_graphs"] == 1  # four layers of one shape: traced once, no recompiles
     compare_with_reference("compiled", [compiled], eager_reference)
@@ -62,7 +62,7 @@ CASES = {
 def test_compiled_layout_equals_eager_one_process(name, eager_reference):
     layout, extra = CASES[name]
     world, overrides = LAYOUTS[layout]
-    results = run_distributed(_run_compiled, world, args=([*overrides, *extra], True))
+    results = run_distributed(_run_compiled, world, args=([*overrides, *extra],))
     compare_with_reference(f"{name} compiled", results, eager_reference)
     for rank, result in enumerate(results):
         breaks = result["graph_breaks"]

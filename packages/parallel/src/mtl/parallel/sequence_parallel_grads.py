@@ -21,11 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
-from mtl.parallel.flat_collectives import all_reduce_as_one
+from mtl.parallel.flat_collectives import sum_param_grads
 
 ATTRIBUTE = "sequence_parallel_grad"
 
@@ -48,16 +47,4 @@ def allreduce_sequence_parallel_grads(params: Iterable[nn.Parameter], tp_group) 
     a flagged parameter without a gradient takes part with zeros."""
     if tp_group is None or dist.get_world_size(tp_group) == 1:
         return 0
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for param in params:
-        if not has_sequence_parallel_grad(param):
-            continue
-        grad = getattr(param, "main_grad", None)
-        if grad is None:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            grad = param.grad
-        by_dtype.setdefault(grad.dtype, []).append(grad)
-    for grads in by_dtype.values():
-        all_reduce_as_one(grads, tp_group)
-    return len(by_dtype)
+    return sum_param_grads([p for p in params if has_sequence_parallel_grad(p)], tp_group)

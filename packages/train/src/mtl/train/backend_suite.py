@@ -54,19 +54,19 @@ class BackendCase:
     device: str = "cpu"  # "cuda": the GPU variant (NCCL, one GPU per rank)
 
 
-def _run(case: BackendCase, overrides: list[str], world: int, with_grads: bool) -> list[dict]:
+def _run(case: BackendCase, overrides: list[str], world: int) -> list[dict]:
     device = [f"train.device='{case.device}'"]
-    return run_distributed(run_tiny, world, args=([*case.overrides, *overrides, *device], with_grads),
+    return run_distributed(run_tiny, world, args=([*case.overrides, *overrides, *device],),
                            backend="nccl" if case.device == "cuda" else "gloo")
 
 
 def test_layouts_equal_one_process(backend_case: BackendCase) -> None:
-    (reference,) = _run(backend_case, [], 1, True)
+    (reference,) = _run(backend_case, [], 1)
     ref_losses = reference["losses"]
     ref_grads = assemble([reference])
     for layout in backend_case.layouts:
         world, overrides = LAYOUTS[layout]
-        results = _run(backend_case, overrides, world, True)
+        results = _run(backend_case, overrides, world)
         losses = next(r["losses"] for r in results if r["last_stage"])
         assert list(losses) == list(ref_losses), f"{backend_case.name} {layout}: steps differ"
         for step, ref in ref_losses.items():

@@ -76,26 +76,23 @@ def run_tiny(overrides: list[str], with_grads: bool = True) -> dict:
 
 
 def complete_sharded_grads(ddp_chunks: list) -> None:
-    """Under the distributed optimizer a rank's ``main_grad`` holds the reduced gradient only on
-    its shard (``param.dp_owned_grad_range``, what its optimizer updates): put every rank's
-    shard together over the reduce group, so that the gradients compared are the ones the
-    optimizers used, whole on every rank as without it."""
+    """Under the distributed optimizer a rank's gradient buffer holds the reduced gradient only
+    on its shard of each bucket (what its optimizer updates): put every rank's shards together
+    over the buffer's reduce group, one all-reduce per buffer, so that the gradients compared
+    are the ones the optimizers used, whole on every rank as without it."""
     import torch.distributed as dist
 
-    from mtl.parallel.ddp import accumulated_grad, is_expert_param
-    from mtl.parallel.ddp.reduce_group import DENSE, EXPERT
-
     for chunk in ddp_chunks:
-        for param in chunk.module.parameters():
-            grad, owned_range = accumulated_grad(param), getattr(param, "dp_owned_grad_range", None)
-            group = chunk.reduce_groups[EXPERT if is_expert_param(param) else DENSE].group
-            if grad is None or owned_range is None or group is None:  # frozen, or one replica
+        for buf in chunk.buffers_by_dtype:
+            group = buf.reduce_group
+            if group.group is None:
                 continue
-            first, last = owned_range
-            owned = torch.zeros_like(grad).view(-1)
-            owned[first:last] = grad.reshape(-1)[first:last]
-            dist.all_reduce(owned, group=group)
-            grad.copy_(owned.view_as(grad))
+            owned = torch.zeros_like(buf.grad_data)
+            for bucket in buf.buckets:
+                lo, hi = bucket.shard_range(group.rank)
+                owned[bucket.start + lo: bucket.start + hi] = buf.grad_data[bucket.start + lo: bucket.start + hi]
+            dist.all_reduce(owned, group=group.group)
+            buf.grad_data.copy_(owned)
 
 
 def run_layout(layout: str, extra: list[str] = (), backend: str = "gloo") -> list[dict]:

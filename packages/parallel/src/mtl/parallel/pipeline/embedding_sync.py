@@ -7,10 +7,9 @@ both the full gradient of the shared weight, so identical optimizer steps keep t
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from mtl.parallel.flat_collectives import all_reduce_as_one
+from mtl.parallel.flat_collectives import sum_param_grads
 
 
 def shared_embedding_params(model_chunks: list[nn.Module]) -> list[nn.Parameter]:
@@ -31,12 +30,4 @@ def allreduce_shared_embedding_grads(model_chunks: list[nn.Module], topology) ->
     params = shared_embedding_params(model_chunks)
     if not params:
         return
-    grads = []
-    for param in params:
-        grad = getattr(param, "main_grad", None)
-        if grad is None:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            grad = param.grad
-        grads.append(grad)
-    all_reduce_as_one(grads, group)
+    sum_param_grads(params, group)
