@@ -108,11 +108,14 @@ def communicate(
         gradient_ops.append(dist.P2POp(dist.irecv, from_next, next_rank, group))
     ops = activation_ops + gradient_ops
     if ops:
+        # On NCCL, wait() makes the current (compute) stream wait for the exchange on NCCL's
+        # stream, without blocking the host: the received tensors are ready for every kernel
+        # queued after it, and the sent ones stay alive until the exchange has read them (the
+        # process group holds them). No device synchronisation, so the host keeps queueing the
+        # next micro-batch while the GPU works (Megatron synchronises here for PyTorch versions
+        # older than ours).
         for request in dist.batch_isend_irecv(ops):
             request.wait()
-    if device.type == "cuda":
-        # batch_isend_irecv runs on NCCL's stream; the compute stream must see the results.
-        torch.cuda.synchronize(device)
     return from_prev, from_next
 
 
