@@ -3,6 +3,10 @@ against one GPU, same tiny models and tolerances as packages/train/tests (the de
 of test_parallel_equivalence, the MoE expert-parallel layouts of test_expert_parallel).
 
     python3 benchmarks/gpu/equivalence_nccl.py      # prints one line per layout, exits 1 on a failure
+    python3 benchmarks/gpu/equivalence_nccl.py pp2 pp2_vpp2 moe_ep2   # only the layouts named
+
+Each layout starts its own processes and NCCL communicators (~10-20 s each on an H200 pair), so a
+call with little device time left names the layouts its change touches.
 """
 
 import sys
@@ -18,17 +22,29 @@ MOE_GRAD_RTOL = 1e-5
 CUDA = ["train.device='cuda'"]
 
 
-def main() -> int:
+def main(selected: list[str]) -> int:
+    known = [*LAYOUTS, *(f"moe_{name}" for name in MOE_LAYOUTS)]
+    unknown = [name for name in selected if name not in known]
+    if unknown:
+        print(f"unknown layout(s) {', '.join(unknown)}; the layouts are: {' '.join(known)}", file=sys.stderr)
+        return 2
+    wanted = set(selected or known)
     gpus = torch.cuda.device_count()
     print(f"{gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     (reference,) = run_distributed(run_tiny, 1, args=(CUDA,), backend="nccl")
     failed = 0
     for layout, (world, _) in LAYOUTS.items():
+        if layout not in wanted:
+            continue
         failed += check(layout, world, gpus, lambda: compare_with_reference(
             layout, run_layout(layout, CUDA, backend="nccl"), reference))
     # the MoE model at its expert-parallel layouts (test_expert_parallel's model and tolerances)
+    if not wanted & {f"moe_{name}" for name in MOE_LAYOUTS}:
+        return 1 if failed else 0
     (moe_reference,) = run_distributed(run_tiny, 1, args=([*MOE_TINY, *CUDA],), backend="nccl")
     for layout, (world, overrides) in MOE_LAYOUTS.items():
+        if f"moe_{layout}" not in wanted:
+            continue
         failed += check(f"moe_{layout}", world, gpus, lambda: compare_moe(
             run_distributed(run_tiny, world, args=([*MOE_TINY, *CUDA, *overrides],), backend="nccl"), moe_reference))
     return 1 if failed else 0
@@ -64,4 +80,4 @@ def compare_moe(results: list[dict], reference: dict) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
