@@ -9,6 +9,7 @@
 # Writes multi_gpu.md, long_multi_gpu.md and moe_multi_gpu.md (tables with scaling efficiency
 # against their one-GPU row) to $OUT. RUN_TIMEOUT (s, default 240) bounds each run.
 # ROWS="gpu1 tp2_sp_mb8 ..." runs only the rows named (each table still needs its one-GPU row).
+# TORCHRUN_ARGS adds arguments to every row's torchrun (a row may set its own).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash benchmarks/gpu/setup.sh
@@ -28,7 +29,7 @@ run() {  # run NAME NPROC [--set ...]; CONFIG= picks another model (default: the
   local name=$1 nproc=$2; shift 2
   if [ -n "${ROWS:-}" ] && [[ " $ROWS " != *" $name "* ]]; then return 0; fi
   echo "== $name on $nproc GPU(s)"
-  timeout "${RUN_TIMEOUT:-240}" torchrun --standalone --nproc-per-node "$nproc" -m mtl.cli train "${CONFIG:-benchmarks/gpu/llama_reference.toml}" \
+  timeout "${RUN_TIMEOUT:-240}" torchrun --standalone --nproc-per-node "$nproc" ${TORCHRUN_ARGS:-} -m mtl.cli train "${CONFIG:-benchmarks/gpu/llama_reference.toml}" \
     --set train.iters="$ITERS" --set logging.dir="'runs/multi_$name'" "$@" 2>&1 | grep -v "^\[rank[1-9]" | tail -4 || true
 }
 if [ "$SHORT" = 1 ]; then
@@ -50,6 +51,11 @@ if [ "$SHORT" = 1 ]; then
     # C++ for about 70 s more (110 s in all were not enough on 2026-11-26): 120 s more than the other rows
     RUN_TIMEOUT=$(( ${RUN_TIMEOUT:-240} + 120 )) \
       run tp2_sp_cppwrap 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.compile_cpp_wrapper=true
+    RUN_TIMEOUT=$(( ${RUN_TIMEOUT:-240} + 120 )) run tp2_sp_cppwrap_mb8 2 --set parallel.tp=2 \
+      --set parallel.sequence_parallel=true --set train.compile_cpp_wrapper=true --set train.micro_batch_size=8
+    # each rank's process kept on the CPUs of its GPU's NUMA node: the tp=2 step varied 0.7-0.95 s from run to run
+    # on one machine (RESULTS.md, fourteenth session) for ~0.5 s of kernels
+    TORCHRUN_ARGS="--numa-binding node" run tp2_sp_numa 2 --set parallel.tp=2 --set parallel.sequence_parallel=true
     run pp2 2 --set parallel.pp=2
     # the last stage also runs the LM head and loss (~8 ms of GEMMs per micro-batch at vocab 50304,
     # by FLOPs): 13 layers before it and 11 after balance the stages; and 16 micro-batches of 2
