@@ -49,7 +49,9 @@ MEANINGS = {
     "model.init_std": "standard deviation of the normal weight initialisation",
     "parallel.tp": "tensor-parallel size",
     "parallel.pp": "pipeline-parallel stages",
-    "parallel.vpp": "virtual pipeline chunks per stage (interleaved schedule; needs pp > 1)",
+    "parallel.vpp": ("virtual pipeline chunks per stage (interleaved schedule; needs pp > 1): the 1F1B bubble "
+                     "shrinks by this factor; on 2 H200s the reference model at pp=2 went from 86% to 90% of one "
+                     "GPU's tokens/s per GPU at vpp=2 (benchmarks/RESULTS.md)"),
     "parallel.cp": "context-parallel size (the sequence split over ranks, ring attention)",
     "parallel.ep": "expert-parallel size (carved from the data-parallel ranks)",
     "parallel.sequence_parallel": "shard activations outside attention/MLP over the TP ranks (needs tp > 1)",
@@ -64,7 +66,10 @@ MEANINGS = {
     "data.tokenizer_model": "the tokenizer's file or directory, where it needs one",
     "data.num_workers": "data loader worker processes",
     "data.mock_num_samples": "samples of the mock dataset",
-    "train.micro_batch_size": "samples per micro-batch per data-parallel rank",
+    "train.micro_batch_size": ("samples per micro-batch per data-parallel rank. Where tp or cp split each "
+                               "kernel's work, the host's launches per step stay as many and may bound the "
+                               "rank: micro-batches of 8 took the reference model's tp=2+sp and cp=2 steps on "
+                               "2 H200s from 53-68% to 82% of one GPU's tokens/s per GPU (benchmarks/RESULTS.md)"),
     "train.global_batch_size": "samples per optimizer step, over all ranks and micro-batches",
     "train.iters": "optimizer steps of the whole run (a resumed run may change it: one warning line)",
     "train.exit_interval": "stop (and save) every N steps; the same command resumes (0: off)",
