@@ -61,10 +61,10 @@ def all_gather_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     size = group_size(group)
     if size == 1:
         return x
-    moved = x.movedim(dim, 0).contiguous()
+    moved = _to_front(x, dim).contiguous()
     out = torch.empty((moved.shape[0] * size, *moved.shape[1:]), dtype=x.dtype, device=x.device)
     all_gather_flat(out, moved, group=group)
-    return out.movedim(0, dim)
+    return _from_front(out, dim)
 
 
 def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -74,7 +74,7 @@ def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         return x
     if x.shape[dim] % size:
         raise ValueError(f"dimension {dim} of shape {tuple(x.shape)} is not divisible by the group size {size}")
-    moved = x.movedim(dim, 0).contiguous()
+    moved = _to_front(x, dim).contiguous()
     if dist.get_backend(group) == "gloo":
         # gloo has no reduce-scatter: sum everything, keep our chunk (same result, more traffic)
         summed = moved.clone()
@@ -83,7 +83,17 @@ def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     else:
         out = torch.empty((moved.shape[0] // size, *moved.shape[1:]), dtype=x.dtype, device=x.device)
         reduce_scatter_flat(out, moved, group=group)
-    return out.movedim(0, dim)
+    return _from_front(out, dim)
+
+
+def _to_front(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` with ``dim`` first. Not even an identity permute where it is first already: a compiled
+    graph then holds the matmul next to its collective, the pattern inductor's async TP fuses."""
+    return x if dim == 0 else x.movedim(dim, 0)
+
+
+def _from_front(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return x if dim == 0 else x.movedim(0, dim)
 
 
 class StartedCollectives:
