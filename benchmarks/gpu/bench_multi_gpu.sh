@@ -53,6 +53,11 @@ if [ "$SHORT" = 1 ]; then
       run tp2_sp_cppwrap 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.compile_cpp_wrapper=true
     RUN_TIMEOUT=$(( ${RUN_TIMEOUT:-240} + 120 )) run tp2_sp_cppwrap_mb8 2 --set parallel.tp=2 \
       --set parallel.sequence_parallel=true --set train.compile_cpp_wrapper=true --set train.micro_batch_size=8
+    # torch's async TP (parallel.async_tp): each sequence-parallel all-gather + matmul and matmul + reduce-scatter as
+    # one op that overlaps the transfer with the matmul's pieces; its ops add host work to a host-bound rank
+    run tp2_sp_async 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set parallel.async_tp=true
+    run tp2_sp_mb8_async 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set parallel.async_tp=true \
+      --set train.micro_batch_size=8
     # each rank's process kept on the CPUs of its GPU's NUMA node: the tp=2 step varied 0.7-0.95 s from run to run
     # on one machine (RESULTS.md, fourteenth session) for ~0.5 s of kernels
     TORCHRUN_ARGS="--numa-binding node" run tp2_sp_numa 2 --set parallel.tp=2 --set parallel.sequence_parallel=true

@@ -1,6 +1,7 @@
 """The CPU equivalence tests, on GPUs with NCCL: every layout that fits the visible GPUs
 against one GPU, same tiny models and tolerances as packages/train/tests (the dense layouts
-of test_parallel_equivalence, the MoE expert-parallel layouts of test_expert_parallel).
+of test_parallel_equivalence, the MoE expert-parallel layouts of test_expert_parallel), and
+the layouts only GPUs run (``GPU_LAYOUTS``: async TP).
 
     python3 benchmarks/gpu/equivalence_nccl.py      # prints one line per layout, exits 1 on a failure
     python3 benchmarks/gpu/equivalence_nccl.py pp2 pp2_vpp2 moe_ep2   # only the layouts named
@@ -14,8 +15,8 @@ import sys
 import torch
 
 from mtl.parallel.testing import run_distributed
-from mtl.train.testing import (LAYOUTS, LOSS_RTOL, MOE_LAYOUTS, MOE_TINY, assemble, compare_with_reference,
-                               run_layout, run_tiny)
+from mtl.train.testing import (GPU_LAYOUTS, LAYOUTS, LOSS_RTOL, MOE_LAYOUTS, MOE_TINY, assemble,
+                               compare_with_reference, run_layout, run_tiny)
 
 MOE_GRAD_RTOL = 1e-5
 
@@ -23,7 +24,8 @@ CUDA = ["train.device='cuda'"]
 
 
 def main(selected: list[str]) -> int:
-    known = [*LAYOUTS, *(f"moe_{name}" for name in MOE_LAYOUTS)]
+    dense = {**LAYOUTS, **GPU_LAYOUTS}
+    known = [*dense, *(f"moe_{name}" for name in MOE_LAYOUTS)]
     unknown = [name for name in selected if name not in known]
     if unknown:
         print(f"unknown layout(s) {', '.join(unknown)}; the layouts are: {' '.join(known)}", file=sys.stderr)
@@ -33,7 +35,7 @@ def main(selected: list[str]) -> int:
     print(f"{gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     (reference,) = run_distributed(run_tiny, 1, args=(CUDA,), backend="nccl")
     failed = 0
-    for layout, (world, _) in LAYOUTS.items():
+    for layout, (world, _) in dense.items():
         if layout not in wanted:
             continue
         failed += check(layout, world, gpus, lambda: compare_with_reference(

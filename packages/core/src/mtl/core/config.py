@@ -111,6 +111,13 @@ class ParallelConfig:
     # compute the same numbers. Off by default: on 2 H200s it slowed the reference model's
     # tp=2 + sp step (0.903 against 0.757 s, benchmarks/RESULTS.md), whose rank is bound by its host.
     overlap_layer_comm: bool = False
+    # torch's asynchronous tensor parallelism (torchtitan's enable_async_tensor_parallel): inductor
+    # replaces each sequence-parallel all-gather + matmul and matmul + reduce-scatter of a compiled
+    # layer with one op that splits the matmul into per-rank pieces and computes each while the
+    # next piece's data travels between the GPUs over NVLink (symmetric memory, no multicast
+    # needed). Needs tp > 1 with sequence_parallel, train.compile, CUDA, model.backend = 'local'.
+    # Off by default: not yet measured on GPUs (benchmarks/RESULTS.md, fourteenth session).
+    async_tp: bool = False
     # Distributed optimizer only: all-gather updated parameters asynchronously after the step
     # and wait per bucket just before the next forward uses them (Megatron's --overlap-param-gather).
     overlap_param_gather: bool = False
@@ -294,6 +301,7 @@ class RunConfig:
         _resolve_cp_comm_type(p, t)
         _check_overlap_layer_comm(p, t)
         _check_compile_cpp_wrapper(p, t)
+        _check_async_tp(m, p, t)
         _check_cuda_graphs(m, p, t)
         _check_attention_kernel(m, p, t)
         cfg.resolved = True
@@ -538,6 +546,29 @@ def _check_compile_cpp_wrapper(p: ParallelConfig, t: TrainConfig) -> None:
         raise ConfigError(f"train.compile_cpp_wrapper = true with {', '.join(split)} needs torch < 2.13: "
                           f"torch {release[0]}.{release[1]}'s C++ wrapper cannot call the compiled layers' "
                           "collectives; set train.compile_cpp_wrapper = false")
+
+
+def _check_async_tp(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> None:
+    """After train.compile is final. Async TP is an inductor pass over a compiled layer's
+    sequence-parallel collectives and the CUDA ops that replace them: anywhere else the key would
+    do nothing or fail at the first step, so it is refused here, naming what to change."""
+    if not p.async_tp:
+        return
+    conflicts = [
+        (p.tp < 2 or not p.sequence_parallel,
+         f"parallel.tp = {p.tp}, sequence_parallel = {str(p.sequence_parallel).lower()}",
+         "parallel.tp > 1 with parallel.sequence_parallel = true (it fuses the sequence-parallel all-gathers and "
+         "reduce-scatters with their matmuls)"),
+        (not t.compile, "train.compile = false", "train.compile = true (an inductor pass does the fusing)"),
+        (m.backend != "local", f"model.backend = '{m.backend}'",
+         "'local' (its linears are the matmuls inductor sees; other backends' are not run with it yet)"),
+        (t.compile_cpp_wrapper, "train.compile_cpp_wrapper = true", "false (not run together yet)"),
+        (_uses_cpu(t), "a CPU run", "a CUDA device (the fused ops are CUDA ops over NCCL symmetric memory)"),
+    ]
+    for conflict, setting, fix in conflicts:
+        if conflict:
+            raise ConfigError(f"parallel.async_tp = true does not work with {setting}: use {fix}, "
+                              "or set parallel.async_tp = false")
 
 
 def _resolve_cp_comm_type(p: ParallelConfig, t: TrainConfig) -> None:

@@ -13,6 +13,8 @@ on the module it builds; a model without one is compiled whole.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -68,6 +70,29 @@ def set_cpp_wrapper(enabled: bool) -> None:
     import torch._inductor.config as inductor_config
 
     inductor_config.cpp_wrapper = enabled
+
+
+def set_async_tp(tp_group) -> None:
+    """``parallel.async_tp`` for this process: inductor's micro-pipeline TP pass (a global setting
+    like ``cpp_wrapper``, so the layers' backward, compiled at the first backward, follows it too)
+    over the TP group's symmetric memory, which the fused ops exchange their pieces through.
+    ``tp_group`` None turns it off; every run sets its own."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config._micro_pipeline_tp = tp_group is not None
+    if tp_group is not None:
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        enable_symm_mem_for_group(tp_group.group_name)
+        # the pass warns for every graph without a sequence-parallel collective, as the final
+        # norm's: expected, not a fault of the run
+        pass_log = logging.getLogger("torch._inductor.fx_passes.micro_pipeline_tp")
+        if _no_patterns_is_expected not in pass_log.filters:
+            pass_log.addFilter(_no_patterns_is_expected)
+
+
+def _no_patterns_is_expected(record: logging.LogRecord) -> bool:
+    return "found no matching" not in record.getMessage()
 
 
 def compile_regions(chunks: list[nn.Module], options: dict | None = None) -> int:

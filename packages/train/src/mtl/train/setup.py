@@ -18,7 +18,7 @@ from mtl.parallel.random import seed_everything as seed_rng_streams
 from mtl.parallel.tensor_parallel.wgrad_fusion import enable_wgrad_fusion
 from mtl.parallel.topology import Topology
 from mtl.train.checkpointing import check_checkpoint_dirs
-from mtl.train.compile import compile_regions, inductor_options, set_cpp_wrapper
+from mtl.train.compile import compile_regions, inductor_options, set_async_tp, set_cpp_wrapper
 from mtl.train.precision import DTYPES
 
 log = get_logger(__name__)
@@ -73,6 +73,7 @@ def build_model_chunks(config: RunConfig, topology: Topology, device: torch.devi
             # fp32 main_grad buffers: the weight-gradient GEMMs accumulate into them directly
             enable_wgrad_fusion(model)
     set_cpp_wrapper(config.train.compile_cpp_wrapper)  # process-wide: every run sets its own
+    set_async_tp(topology.tp_group if config.parallel.async_tp else None)  # idem
     if config.train.compile:
         p, m = config.parallel, config.model
         # tokens per layer call on this rank: sequence parallelism splits them over tp, cp always

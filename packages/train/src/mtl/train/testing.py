@@ -45,6 +45,12 @@ LAYOUTS = {
     "dp2_pp2": (4, ["parallel.pp=2"]),
     "dp4_distopt": (4, ["parallel.distributed_optimizer=true"]),
 }
+# Layouts only GPUs run (benchmarks/gpu/equivalence_nccl.py, the CUDA tests): async TP's fused
+# ops are CUDA ops over NCCL symmetric memory.
+GPU_LAYOUTS = {
+    "tp2_sp_async_tp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.async_tp=true",
+                            "train.compile=true"]),
+}
 # A 2-layer MoE (4 experts, top-2, dropless, aux and z-losses on) and its expert-parallel
 # layouts (packages/train/tests/test_expert_parallel.py; benchmarks/gpu/equivalence_nccl.py).
 # lr_decay_iters: every run follows the 6-step schedule, so a 3-step run is its first half.
@@ -96,10 +102,10 @@ def complete_sharded_grads(ddp_chunks: list) -> None:
 
 
 def run_layout(layout: str, extra: list[str] = (), backend: str = "gloo") -> list[dict]:
-    """Run one of ``LAYOUTS`` on its world size."""
+    """Run one of ``LAYOUTS`` (or ``GPU_LAYOUTS``) on its world size."""
     from mtl.parallel.testing import run_distributed
 
-    world, overrides = LAYOUTS[layout]
+    world, overrides = {**LAYOUTS, **GPU_LAYOUTS}[layout]
     return run_distributed(run_tiny, world, args=([*overrides, *extra],), backend=backend)
 
 
