@@ -204,7 +204,8 @@ class DataParallel(nn.Module):
                 "param.grad to None or a new tensor, e.g. module.zero_grad() or "
                 "optimizer.zero_grad(set_to_none=True)); zero gradients with DataParallel.zero_grad()"
             )
-        self._synced = False
+        if self._synced:  # nn.Module's __setattr__ costs microseconds; this runs per parameter and micro-batch
+            self._synced = False
         if not (self._sync_enabled and self.overlap_grad_reduce):
             return
         bucket = buf.buckets[slot.bucket_index]

@@ -188,7 +188,9 @@ class GradBuffer:
 
     def grad_is_attached(self, slot: ParamSlot) -> bool:
         grad = slot.param.main_grad if self.uses_main_grad else slot.param.grad
-        return grad is not None and grad.data_ptr() == self.grad_data[slot.start : slot.end].data_ptr()
+        # the address compared by arithmetic: a slice would build a tensor per parameter and micro-batch
+        expected = self.grad_data.data_ptr() + slot.start * self.grad_data.element_size()
+        return grad is not None and grad.data_ptr() == expected
 
     def owned_ranges(self, shard_rank: int) -> list[tuple[ParamSlot, int, int]]:
         """This rank's part of every parameter: (slot, first, last) as flat indices into the
