@@ -74,8 +74,9 @@ def test_sequence_parallel_layer_collectives_sit_next_to_their_matmuls():
 
 
 def _resolve(*overrides: str, world_size: int = 2):
-    cfg = load_config(None, [*TINY, "parallel.tp=2", "parallel.sequence_parallel=true", "train.compile=true",
-                             "parallel.async_tp=true", *overrides])
+    # resolving a config touches no device: 'cuda' resolves on a machine without one
+    cfg = load_config(None, [*TINY, "train.device='cuda'", "parallel.tp=2", "parallel.sequence_parallel=true",
+                             "train.compile=true", "parallel.async_tp=true", *overrides])
     cfg.resolve(world_size=world_size, tokenizer_vocab_size=257)
 
 

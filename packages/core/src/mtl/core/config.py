@@ -554,7 +554,8 @@ def _check_async_tp(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> None:
     do nothing or fail at the first step, so it is refused here, naming what to change."""
     if not p.async_tp:
         return
-    conflicts = [
+    conflicts = [  # the device first: on a CPU the rest would not make it work
+        (_uses_cpu(t), "a CPU run", "a CUDA device (the fused ops are CUDA ops over NCCL symmetric memory)"),
         (p.tp < 2 or not p.sequence_parallel,
          f"parallel.tp = {p.tp}, sequence_parallel = {str(p.sequence_parallel).lower()}",
          "parallel.tp > 1 with parallel.sequence_parallel = true (it fuses the sequence-parallel all-gathers and "
@@ -563,7 +564,6 @@ def _check_async_tp(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> None:
         (m.backend != "local", f"model.backend = '{m.backend}'",
          "'local' (its linears are the matmuls inductor sees; other backends' are not run with it yet)"),
         (t.compile_cpp_wrapper, "train.compile_cpp_wrapper = true", "false (not run together yet)"),
-        (_uses_cpu(t), "a CPU run", "a CUDA device (the fused ops are CUDA ops over NCCL symmetric memory)"),
     ]
     for conflict, setting, fix in conflicts:
         if conflict:
