@@ -187,7 +187,7 @@ class TrainConfig:
     # inductor's C++ wrapper for the compiled layers (torch.compile's cpp_wrapper option): each
     # layer's kernels are launched from compiled C++, not from generated Python. Pays where a rank
     # is bound by its host: a tp=2+sp rank of the H100 reference model 0.548 against 0.571-0.694 s
-    # per step; on 2 H200s tp=2+sp 0.691 s against 0.705-0.957 s in other calls (not A/B'd in one);
+    # per step; on 2 H200s tp=2+sp 0.691 s against 0.751-0.957 s in other calls (not A/B'd in one);
     # no change on one GPU (benchmarks/RESULTS.md). The first compile takes about a
     # minute longer (cached on disk after). Needs train.compile; with collectives inside the
     # layers (tp, cp or ep > 1) it needs torch < 2.13, whose C++ wrapper cannot pass them a group
