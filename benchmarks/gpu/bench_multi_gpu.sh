@@ -64,7 +64,8 @@ if [ "$SHORT" = 1 ]; then
     run pp2 2 --set parallel.pp=2
     # the last stage also runs the LM head and loss (~8 ms of GEMMs per micro-batch at vocab 50304,
     # by FLOPs): 13 layers before it and 11 after balance the stages; and 16 micro-batches of 2
-    # shrink the 1F1B bubble from 1/9 to 1/17 of the step
+    # shrink the 1F1B bubble from 1/9 to 1/17 of the step (but cost more host per token: 0.634 s
+    # against 0.600 s for 8 of 4, RESULTS.md, fourteenth session; vpp=2 halves the bubble instead)
     run pp2_first13 2 --set parallel.pp=2 --set parallel.first_stage_layers=13
     run pp2_mb2 2 --set parallel.pp=2 --set train.micro_batch_size=2
     # interleaved: two chunks per stage halve the pipeline bubble (1/9 of the step at 8 micro-batches)
