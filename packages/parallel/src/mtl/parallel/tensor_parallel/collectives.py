@@ -57,14 +57,20 @@ def split_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def all_gather_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim``: [.., n, ..] -> [.., n*size, ..]."""
+    """Concatenate every rank's ``x`` along ``dim``: [.., n, ..] -> [.., n*size, ..].
+
+    The ``movedim`` calls here and in ``reduce_scatter_along_dim`` stay where ``dim`` is 0 already
+    (a compiled layer then holds an identity permute beside each collective): without them, torch
+    2.11's compiled backward of a sequence-parallel layer on CUDA cloned the whole fp32 gradient
+    buffer for each weight-gradient accumulation and read past the end of the weight's ``main_grad``
+    (illegal memory access on 2 H200s, benchmarks/RESULTS.md, fifteenth session)."""
     size = group_size(group)
     if size == 1:
         return x
-    moved = _to_front(x, dim).contiguous()
+    moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] * size, *moved.shape[1:]), dtype=x.dtype, device=x.device)
     all_gather_flat(out, moved, group=group)
-    return _from_front(out, dim)
+    return out.movedim(0, dim)
 
 
 def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -74,7 +80,7 @@ def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         return x
     if x.shape[dim] % size:
         raise ValueError(f"dimension {dim} of shape {tuple(x.shape)} is not divisible by the group size {size}")
-    moved = _to_front(x, dim).contiguous()
+    moved = x.movedim(dim, 0).contiguous()
     if dist.get_backend(group) == "gloo":
         # gloo has no reduce-scatter: sum everything, keep our chunk (same result, more traffic)
         summed = moved.clone()
@@ -83,17 +89,7 @@ def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     else:
         out = torch.empty((moved.shape[0] // size, *moved.shape[1:]), dtype=x.dtype, device=x.device)
         reduce_scatter_flat(out, moved, group=group)
-    return _from_front(out, dim)
-
-
-def _to_front(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """``x`` with ``dim`` first. Not even an identity permute where it is first already: a compiled
-    graph then holds the matmul next to its collective, the pattern inductor's async TP fuses."""
-    return x if dim == 0 else x.movedim(dim, 0)
-
-
-def _from_front(x: torch.Tensor, dim: int) -> torch.Tensor:
-    return x if dim == 0 else x.movedim(0, dim)
+    return out.movedim(0, dim)
 
 
 class StartedCollectives:
