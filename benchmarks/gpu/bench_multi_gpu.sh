@@ -9,7 +9,8 @@
 # Writes multi_gpu.md, long_multi_gpu.md and moe_multi_gpu.md (tables with scaling efficiency
 # against their one-GPU row) to $OUT. RUN_TIMEOUT (s, default 240) bounds each run.
 # ROWS="gpu1 tp2_sp_mb8 ..." runs only the rows named (each table still needs its one-GPU row).
-# TORCHRUN_ARGS adds arguments to every row's torchrun (a row may set its own).
+# TORCHRUN_ARGS adds arguments to every row's torchrun (a row may set its own). Each row's whole
+# log goes to $OUT/row_NAME.log.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash benchmarks/gpu/setup.sh
@@ -30,7 +31,8 @@ run() {  # run NAME NPROC [--set ...]; CONFIG= picks another model (default: the
   if [ -n "${ROWS:-}" ] && [[ " $ROWS " != *" $name "* ]]; then return 0; fi
   echo "== $name on $nproc GPU(s)"
   timeout "${RUN_TIMEOUT:-240}" torchrun --standalone --nproc-per-node "$nproc" ${TORCHRUN_ARGS:-} -m mtl.cli train "${CONFIG:-benchmarks/gpu/llama_reference.toml}" \
-    --set train.iters="$ITERS" --set logging.dir="'runs/multi_$name'" "$@" 2>&1 | grep -v "^\[rank[1-9]" | tail -4 || true
+    --set train.iters="$ITERS" --set logging.dir="'runs/multi_$name'" "$@" 2>&1 | tee "${OUT:-.}/row_$name.log" \
+    | grep -v "^\[rank[1-9]" | tail -4 || true  # the whole log beside the tables: a failed row's traceback
 }
 if [ "$SHORT" = 1 ]; then
   run gpu1 1
@@ -43,6 +45,12 @@ if [ "$SHORT" = 1 ]; then
     # a tp=2 rank is bound by its host (RESULTS.md, thirteenth session: 683-888 ms per step for
     # ~500 ms of kernels); micro-batches of 8 (the same global batch, 20 GiB at 4) halve its launches
     run tp2_sp_mb8 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.micro_batch_size=8
+    # at micro-batch 8 the rank waits on its collectives more than on its host (82%, MFU 58% against 71% on
+    # one GPU; async TP and the C++ wrapper changed nothing there, RESULTS.md, fifteenth session): the
+    # backward's reduce-scatters beside the weight-gradient GEMMs, and 2 micro-batches of 16 (50 GiB)
+    run tp2_sp_mb8_overlap 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.micro_batch_size=8 \
+      --set parallel.overlap_layer_comm=true
+    run tp2_sp_mb16 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.micro_batch_size=16
     # the backward's reduce-scatters beside the weight-gradient GEMMs, as written (gathered_linear)
     run tp2_sp_overlap 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set parallel.overlap_layer_comm=true
     # inductor's C++ wrapper launches the layer's kernels (train.compile_cpp_wrapper): a tp=2
