@@ -109,14 +109,18 @@ class ParallelConfig:
     # sequence parallelism's backward reduce-scatter runs beside the weight-gradient GEMM and
     # the all-gathered cp k/v travel while the own block's attention runs. The same kernels
     # compute the same numbers. Off by default: on 2 H200s it slowed the reference model's
-    # tp=2 + sp step (0.903 against 0.757 s, benchmarks/RESULTS.md), whose rank is bound by its host.
+    # tp=2 + sp step (0.903 against 0.757 s, benchmarks/RESULTS.md), whose rank is bound by its host,
+    # and changed nothing at micro-batch 8 (0.615 against 0.614 s, fifteenth session).
     overlap_layer_comm: bool = False
     # torch's asynchronous tensor parallelism (torchtitan's enable_async_tensor_parallel): inductor
-    # replaces each sequence-parallel all-gather + matmul and matmul + reduce-scatter of a compiled
+    # replaces a sequence-parallel all-gather + matmul or matmul + reduce-scatter of a compiled
     # layer with one op that splits the matmul into per-rank pieces and computes each while the
     # next piece's data travels between the GPUs over NVLink (symmetric memory, no multicast
-    # needed). Needs tp > 1 with sequence_parallel, train.compile, CUDA, model.backend = 'local'.
-    # Off by default: not yet measured on GPUs (benchmarks/RESULTS.md, fourteenth session).
+    # needed); in mtl's layer the column linears' (the forward's gathers, the backward's
+    # reduce-scatters), not the row linears'. Needs tp > 1 with sequence_parallel, train.compile,
+    # CUDA, model.backend = 'local'. Off by default: on 2 H200s it trains to the one-GPU numbers
+    # but gained nothing (reference model, tp=2 + sp: 0.613 against 0.615 s at micro-batch 8,
+    # slower at 4; benchmarks/RESULTS.md, fifteenth session).
     async_tp: bool = False
     # Distributed optimizer only: all-gather updated parameters asynchronously after the step
     # and wait per bucket just before the next forward uses them (Megatron's --overlap-param-gather).
