@@ -51,6 +51,10 @@ if [ "$SHORT" = 1 ]; then
     run tp2_sp_mb8_overlap 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.micro_batch_size=8 \
       --set parallel.overlap_layer_comm=true
     run tp2_sp_mb16 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.micro_batch_size=16
+    # 84% at 16 (fifteenth session): async TP there, and the whole batch as one micro-batch (~80 GiB, H200 only)
+    run tp2_sp_mb16_async 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.micro_batch_size=16 \
+      --set parallel.async_tp=true
+    run tp2_sp_mb32 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.micro_batch_size=32
     # the backward's reduce-scatters beside the weight-gradient GEMMs, as written (gathered_linear)
     run tp2_sp_overlap 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set parallel.overlap_layer_comm=true
     # inductor's C++ wrapper launches the layer's kernels (train.compile_cpp_wrapper): a tp=2
