@@ -43,6 +43,7 @@ from mtl.parallel.context_parallel.block_attention import (
 )
 from mtl.parallel.context_parallel.flash_blocks import flash_block_backward, flash_block_forward
 from mtl.parallel.context_parallel.ring_attention import _block_plan
+from mtl.parallel.function_output import fresh_output
 from mtl.parallel.tensor_parallel.collectives import StartedCollectives
 
 # A piece: (query rows of the local sequence, key rows of a k/v tensor, causal)
@@ -145,7 +146,8 @@ class GatheredKVAttention(torch.autograd.Function):
     def forward(ctx, q, kv, plan: list[Piece], scale: float, kernel: str | None):
         out, lse = _new_output(q)
         _forward_pieces(q, kv, plan, out, lse, 0, scale, kernel)
-        out = out.to(q.dtype)
+        # filled piece by piece; .to returns it as it is where q is in the compute dtype (fp32)
+        out = fresh_output(out.to(q.dtype))
         ctx.save_for_backward(q, kv, out, lse)
         ctx.plan, ctx.scale, ctx.kernel = plan, scale, kernel
         return out
@@ -185,7 +187,8 @@ class AllGatherAttention(torch.autograd.Function):
         filled = _forward_pieces(q, own_kv, own, out, lse, 0, scale, kernel)
         kv = comm.finish_gather(pending).permute(1, 2, 0, 3, 4).contiguous()  # [2, b, S, groups, d]
         _forward_pieces(q, kv, others, out, lse, filled, scale, kernel)
-        out = out.to(q.dtype)
+        # filled piece by piece; .to returns it as it is where q is in the compute dtype (fp32)
+        out = fresh_output(out.to(q.dtype))
         ctx.save_for_backward(q, kv, out, lse)
         ctx.comm, ctx.own, ctx.others, ctx.scale, ctx.kernel = comm, own, others, scale, kernel
         return out

@@ -58,6 +58,7 @@ from mtl.parallel.context_parallel.flash_blocks import (
     flash_block_forward,
     fused_kernel,
 )
+from mtl.parallel.function_output import fresh_output
 from mtl.parallel.topology import Topology
 
 # Distinct tags keep the k/v and dK/dV messages apart on backends that match by tag (gloo).
@@ -146,7 +147,8 @@ class RingAttention(torch.autograd.Function):
             _wait(pending)
             if next_block is not None:
                 block = next_block
-        out = out.to(q.dtype)
+        # filled piece by piece; .to returns it as it is where q is in the compute dtype (fp32)
+        out = fresh_output(out.to(q.dtype))
         # block: the last one received, rank r+1's (this rank's own at cp = 1), where backward starts
         ctx.save_for_backward(q, kv, block, out, lse)
         ctx.ring, ctx.causal, ctx.scale = ring, causal, scale

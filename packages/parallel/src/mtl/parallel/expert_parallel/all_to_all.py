@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mtl.core.errors import ParallelError
+from mtl.parallel.function_output import fresh_output
 
 
 def _exchange(input: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
@@ -26,7 +27,7 @@ def _exchange(input: torch.Tensor, output_splits: list[int], input_splits: list[
     output = input.new_empty((sum(output_splits), *input.shape[1:]))
     dist.all_to_all_single(output, input, output_split_sizes=list(output_splits),
                            input_split_sizes=list(input_splits), group=group)
-    return output
+    return fresh_output(output)  # filled in place by the exchange
 
 
 class _AllToAll(torch.autograd.Function):

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from mtl.parallel.flat_collectives import all_gather_flat, reduce_scatter_flat
+from mtl.parallel.function_output import fresh_output
 
 _functional = torch.ops._c10d_functional
 
@@ -29,7 +30,7 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
         return x
     out = x.contiguous().clone()
     dist.all_reduce(out, group=group)
-    return out
+    return fresh_output(out)  # the row-parallel linear's output at tp > 1 without sp (function_output.py)
 
 
 def all_reduce_max_(x: torch.Tensor, group) -> torch.Tensor:
@@ -59,11 +60,12 @@ def split_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 def all_gather_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``: [.., n, ..] -> [.., n*size, ..].
 
-    The ``movedim`` calls here and in ``reduce_scatter_along_dim`` stay where ``dim`` is 0 already
-    (a compiled layer then holds an identity permute beside each collective): without them, torch
-    2.11's compiled backward of a sequence-parallel layer on CUDA cloned the whole fp32 gradient
-    buffer for each weight-gradient accumulation and read past the end of the weight's ``main_grad``
-    (illegal memory access on 2 H200s, benchmarks/RESULTS.md, fifteenth session)."""
+    The result is ``movedim``'s view of the tensor the collective filled, here and in
+    ``reduce_scatter_along_dim``, also where ``dim`` is 0 (an identity permute): the sequence-parallel
+    mappings return it, and a Function must not return the tensor it filled (function_output.py;
+    without the view, 2 H200s under torch 2.11 trained tp=2 + sp on a zero gradient through each row
+    linear and their compiled backward read past the gradient buffer). The identity permute also hides
+    the row linears' collectives from async TP's pass."""
     size = group_size(group)
     if size == 1:
         return x
