@@ -47,7 +47,7 @@ if [ "$SHORT" = 1 ]; then
     run tp2_sp_mb8 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.micro_batch_size=8
     # at micro-batch 8 the rank waits on its collectives more than on its host (82%, MFU 58% against 71% on
     # one GPU; async TP and the C++ wrapper changed nothing there, RESULTS.md, fifteenth session): the
-    # backward's reduce-scatters beside the weight-gradient GEMMs, and 2 micro-batches of 16 (50 GiB)
+    # backward's reduce-scatters beside the weight-gradient GEMMs, and 2 micro-batches of 16 (44 GiB: 84%)
     run tp2_sp_mb8_overlap 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.micro_batch_size=8 \
       --set parallel.overlap_layer_comm=true
     run tp2_sp_mb16 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.micro_batch_size=16

@@ -7,8 +7,9 @@ H200s the compiled backward also read past the gradient buffer). torch 2.13, the
 right, so no equivalence test here can see it (benchmarks/RESULTS.md, fifteenth session). Hence this
 rule, checked in eager: one training step of the tiny model in each layout whose layers call mtl's
 Functions, recording every tensor an op writes in place (its schema's mutable arguments; the result
-argument of torch.distributed's in-place ops) while a Function's forward runs; a returned tensor among them
-fails, naming the Function. A view of such a tensor is fine (torch 2.11 handles it)."""
+argument of torch.distributed's in-place ops) while a Function's forward runs; a returned tensor
+among them fails, naming the Function. A view of such a tensor is fine (torch 2.11 handles it:
+``mtl.parallel.function_output.fresh_output``)."""
 
 from __future__ import annotations
 
