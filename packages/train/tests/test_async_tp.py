@@ -2,10 +2,11 @@
 layer's all-gather + matmul and matmul + reduce-scatter into symmetric-memory ops that overlap
 the transfer with the matmul's pieces.
 
-The fused ops run on CUDA only, so the CPU checks what the pass can match in mtl's layer (read
-from the graphs the training run compiles, one process as rank 0 of two over torch's fake process
-group): the column linears' collectives sit next to their matmuls; the row linears' are each
-behind an identity permute, which hides them from the pass (collectives.py says why it stays).
+The fused ops run on CUDA only, so the CPU checks what the pass needs from mtl's layer: every
+sequence-parallel collective of its forward and backward graphs sits next to its matmul, in the
+patterns torch's pass matches (read from the graphs the training run compiles, one process as
+rank 0 of two over torch's fake process group). A reshape or permute in between hides a
+collective from the pass: an identity permute once hid the row linears' (collectives.py).
 On two GPUs the tiny model trains with async TP to the one-GPU losses and gradients. Settings it
 cannot serve are refused before any work, naming the key."""
 
@@ -68,13 +69,8 @@ def test_sequence_parallel_layer_collectives_sit_next_to_their_matmuls():
     for graph in layer_graphs:
         # the qkv and fc1 column linears gather their input (forward) or the gradient of the
         # proj and fc2 row linears' output (backward); the row linears' outputs (forward) and the
-        # column linears' input gradients (backward) are reduce-scattered: 2 + 2. Those that
-        # enter and leave the column linears fuse (the forward's gathers, the backward's
-        # reduce-scatters); the row linears' are each behind an identity permute (collectives.py
-        # says why it stays), so the pass leaves them
-        fusable = (0, 2) if graph["backward"] else (2, 0)
-        assert graph == {**graph, "collectives": 4, "gather_then_matmul": fusable[0],
-                         "matmul_then_scatter": fusable[1]}, graph
+        # column linears' input gradients (backward) are reduce-scattered: 2 + 2, every one fusable
+        assert graph == {**graph, "collectives": 4, "gather_then_matmul": 2, "matmul_then_scatter": 2}, graph
 
 
 def _resolve(*overrides: str, world_size: int = 2):

@@ -1,4 +1,4 @@
-"""No autograd Function of mtl returns a tensor its forward filled in place.
+"""No autograd Function of mtl returns a tensor its forward filled in place or got back as is.
 
 Under torch 2.11's ``torch.compile`` (the GPU machines' release), a custom ``autograd.Function``
 whose forward mutates a tensor in place and returns that very tensor loses its gradient: the
@@ -7,8 +7,9 @@ H200s the compiled backward also read past the gradient buffer). torch 2.13, the
 right, so no equivalence test here can see it (benchmarks/RESULTS.md, fifteenth session). Hence this
 rule, checked in eager: one training step of the tiny model in each layout whose layers call mtl's
 Functions, recording every tensor an op writes in place (its schema's mutable arguments; the result
-argument of torch.distributed's in-place ops) while a Function's forward runs; a returned tensor
-among them fails, naming the Function. A view of such a tensor is fine (torch 2.11 handles it:
+argument of torch.distributed's in-place ops) or returns as one of its own inputs (in-place ops,
+``_c10d_functional.wait_tensor``) while a Function's forward runs; a returned tensor among them
+fails, naming the Function. A view of such a tensor is fine (torch 2.11 handles it:
 ``mtl.parallel.function_output.fresh_output``)."""
 
 from __future__ import annotations
@@ -38,13 +39,27 @@ class _InPlaceWrites(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        outputs = func(*args, **kwargs)
         if self.frames:
-            for value in _written(func, args, kwargs):
-                for tensor in value if isinstance(value, (list, tuple)) else [value]:
-                    if isinstance(tensor, torch.Tensor):
-                        for frame in self.frames:  # a write through a view writes its base too
-                            frame.extend(t for t in (tensor, tensor._base) if t is not None)
-        return func(*args, **kwargs)
+            inputs = [t for t in _tensors([args, kwargs])]
+            # written in place, or passed through as its own result (an in-place op's self, the
+            # tensor c10d's in-place ops return, _c10d_functional.wait_tensor's): either way the
+            # traced forward holds this tensor as one more intermediate
+            passed = [t for t in _tensors(outputs) if any(t is i for i in inputs)]
+            for tensor in [*_tensors(_written(func, args, kwargs)), *passed]:
+                for frame in self.frames:  # a write through a view writes its base too
+                    frame.extend(t for t in (tensor, tensor._base) if t is not None)
+        return outputs
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
 
 
 def _written(func, args, kwargs) -> list:

@@ -116,11 +116,10 @@ class ParallelConfig:
     # replaces a sequence-parallel all-gather + matmul or matmul + reduce-scatter of a compiled
     # layer with one op that splits the matmul into per-rank pieces and computes each while the
     # next piece's data travels between the GPUs over NVLink (symmetric memory, no multicast
-    # needed); in mtl's layer the column linears' (the forward's gathers, the backward's
-    # reduce-scatters), not the row linears'. Needs tp > 1 with sequence_parallel, train.compile,
-    # CUDA, model.backend = 'local'. Off by default: on 2 H200s it trains to the one-GPU numbers
-    # but gained nothing (reference model, tp=2 + sp: 0.613 against 0.615 s at micro-batch 8,
-    # slower at 4; benchmarks/RESULTS.md, fifteenth session).
+    # needed). Needs tp > 1 with sequence_parallel, train.compile, CUDA, model.backend = 'local'.
+    # Off by default: on 2 H200s it trained to the one-GPU numbers but gained nothing (reference
+    # model, tp=2 + sp: 0.613 against 0.615 s at micro-batch 8, slower at 4; benchmarks/RESULTS.md,
+    # fifteenth session), when only the column linears' collectives could fuse; all can since.
     async_tp: bool = False
     # Distributed optimizer only: all-gather updated parameters asynchronously after the step
     # and wait per bucket just before the next forward uses them (Megatron's --overlap-param-gather).

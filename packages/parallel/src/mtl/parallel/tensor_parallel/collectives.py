@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mtl.parallel.flat_collectives import all_gather_flat, reduce_scatter_flat
 from mtl.parallel.function_output import fresh_output
 
 _functional = torch.ops._c10d_functional
@@ -60,19 +59,17 @@ def split_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 def all_gather_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``: [.., n, ..] -> [.., n*size, ..].
 
-    The result is ``movedim``'s view of the tensor the collective filled, here and in
-    ``reduce_scatter_along_dim``, also where ``dim`` is 0 (an identity permute): the sequence-parallel
-    mappings return it, and a Function must not return the tensor it filled (function_output.py;
-    without the view, 2 H200s under torch 2.11 trained tp=2 + sp on a zero gradient through each row
-    linear and their compiled backward read past the gradient buffer). The identity permute also hides
-    the row linears' collectives from async TP's pass."""
+    Here and in ``reduce_scatter_along_dim``: torch's functional collectives, and no permute where
+    ``dim`` is 0 already, so that a compiled layer holds each sequence-parallel matmul next to its
+    collective, the patterns async TP fuses (test_async_tp.py). The mappings return the result, so
+    it is a view (function_output.py: not the tensor a collective filled or ``wait_tensor`` passed
+    through; an identity ``movedim`` was that view until 2026-11-26, and hid the row linears'
+    reduce-scatters from async TP)."""
     size = group_size(group)
     if size == 1:
         return x
-    moved = x.movedim(dim, 0).contiguous()
-    out = torch.empty((moved.shape[0] * size, *moved.shape[1:]), dtype=x.dtype, device=x.device)
-    all_gather_flat(out, moved, group=group)
-    return out.movedim(0, dim)
+    gathered = _functional.all_gather_into_tensor(_to_front(x, dim).contiguous(), size, group.group_name)
+    return _from_front(_functional.wait_tensor(gathered), dim)
 
 
 def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -82,16 +79,24 @@ def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         return x
     if x.shape[dim] % size:
         raise ValueError(f"dimension {dim} of shape {tuple(x.shape)} is not divisible by the group size {size}")
-    moved = x.movedim(dim, 0).contiguous()
+    moved = _to_front(x, dim).contiguous()
     if dist.get_backend(group) == "gloo":
         # gloo has no reduce-scatter: sum everything, keep our chunk (same result, more traffic)
-        summed = moved.clone()
-        dist.all_reduce(summed, group=group)
+        summed = _functional.wait_tensor(_functional.all_reduce(moved, "sum", group.group_name))
         out = summed.chunk(size, dim=0)[group_rank(group)].contiguous()
     else:
-        out = torch.empty((moved.shape[0] // size, *moved.shape[1:]), dtype=x.dtype, device=x.device)
-        reduce_scatter_flat(out, moved, group=group)
-    return out.movedim(0, dim)
+        out = _functional.wait_tensor(_functional.reduce_scatter_tensor(moved, "sum", size, group.group_name))
+    return _from_front(out, dim)
+
+
+def _to_front(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return x if dim == 0 else x.movedim(dim, 0)
+
+
+def _from_front(x: torch.Tensor, dim: int) -> torch.Tensor:
+    # at dim 0 a view all the same: wait_tensor returns the collective's result as it is, and a
+    # Function must not return that (function_output.py; a view is no permute, async TP sees past it)
+    return fresh_output(x) if dim == 0 else x.movedim(0, dim)
 
 
 class StartedCollectives:
