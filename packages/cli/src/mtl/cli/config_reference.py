@@ -69,8 +69,8 @@ MEANINGS = {
     "train.micro_batch_size": ("samples per micro-batch per data-parallel rank. Where tp or cp split each "
                                "kernel's work, the host's launches per step stay as many and may bound the "
                                "rank: micro-batches of 8 took the reference model's tp=2+sp and cp=2 steps on "
-                               "2 H200s from 53-68% to 82% of one GPU's tokens/s per GPU, 16 took tp=2+sp to 84% "
-                               "(benchmarks/RESULTS.md)"),
+                               "2 H200s from 53-68% to 82% of one GPU's tokens/s per GPU, 16 took tp=2+sp to 84%, "
+                               "88-89% with parallel.async_tp (benchmarks/RESULTS.md)"),
     "train.global_batch_size": "samples per optimizer step, over all ranks and micro-batches",
     "train.iters": "optimizer steps of the whole run (a resumed run may change it: one warning line)",
     "train.exit_interval": "stop (and save) every N steps; the same command resumes (0: off)",

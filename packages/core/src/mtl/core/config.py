@@ -117,9 +117,10 @@ class ParallelConfig:
     # layer with one op that splits the matmul into per-rank pieces and computes each while the
     # next piece's data travels between the GPUs over NVLink (symmetric memory, no multicast
     # needed). Needs tp > 1 with sequence_parallel, train.compile, CUDA, model.backend = 'local'.
-    # Off by default: on 2 H200s it trained to the one-GPU numbers but gained nothing (reference
-    # model, tp=2 + sp: 0.613 against 0.615 s at micro-batch 8, slower at 4; benchmarks/RESULTS.md,
-    # fifteenth session), when only the column linears' collectives could fuse; all can since.
+    # Off by default: it pays only where each fused op has enough work. On 2 H200s (reference
+    # model, tp=2 + sp, benchmarks/RESULTS.md, sixteenth session) micro-batch 16: 0.555-0.563
+    # against 0.591-0.592 s (88-89% of one GPU per GPU); micro-batch 8: no change; micro-batch 4,
+    # a rank bound by its host: 2.3x slower.
     async_tp: bool = False
     # Distributed optimizer only: all-gather updated parameters asynchronously after the step
     # and wait per bucket just before the next forward uses them (Megatron's --overlap-param-gather).

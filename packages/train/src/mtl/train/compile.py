@@ -14,6 +14,7 @@ on the module it builds; a model without one is compiled whole.
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 from torch import nn
@@ -83,7 +84,12 @@ def set_async_tp(tp_group) -> None:
     if tp_group is not None:
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
-        enable_symm_mem_for_group(tp_group.group_name)
+        # torch 2.11 marks this call deprecated ("no need to call"), yet its pass still fuses only
+        # the collectives of groups registered here (is_symm_mem_enabled_for_group): keep the call,
+        # drop the misleading warning
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            enable_symm_mem_for_group(tp_group.group_name)
         # the pass warns for every graph without a sequence-parallel collective, as the final
         # norm's: expected, not a fault of the run
         pass_log = logging.getLogger("torch._inductor.fx_passes.micro_pipeline_tp")
