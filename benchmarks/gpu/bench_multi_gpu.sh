@@ -84,6 +84,11 @@ if [ "$SHORT" = 1 ]; then
     run pp2_mb2 2 --set parallel.pp=2 --set train.micro_batch_size=2
     # interleaved: two chunks per stage halve the pipeline bubble (1/9 of the step at 8 micro-batches)
     run pp2_vpp2 2 --set parallel.pp=2 --set parallel.vpp=2
+    # 89.7% (fourteenth session): rank 1 holds 12 layers and the LM head (~1.9 layers' FLOPs), rank 0 12 layers;
+    # 13 against 11 + the head balances them (parallel.virtual_stage_layers), and vpp=4 halves the bubble again
+    run pp2_vpp2_balanced 2 --set parallel.pp=2 --set parallel.vpp=2 --set "parallel.virtual_stage_layers=[7,6,6,5]"
+    run pp2_vpp4_balanced 2 --set parallel.pp=2 --set parallel.vpp=4 \
+      --set "parallel.virtual_stage_layers=[4,3,3,3,3,3,3,2]"
     run cp2 2 --set parallel.cp=2  # compiled at cp=2 the config picks k/v all-gathered
     run cp2_ring 2 --set parallel.cp=2 --set parallel.cp_comm_type=p2p
     run cp2_mb8 2 --set parallel.cp=2 --set train.micro_batch_size=8  # bound by the host as tp=2 is

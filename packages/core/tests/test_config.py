@@ -125,6 +125,30 @@ def test_pipeline_split_with_first_and_last_stage():
         pipeline_layer_split(11, p)
 
 
+def test_virtual_stage_layers_from_the_command_line():
+    """``--set parallel.virtual_stage_layers=[...]`` sizes every virtual stage, in model order."""
+    layout = ["model.num_layers=24", "parallel.pp=2", "parallel.vpp=2", "parallel.virtual_stage_layers=[7, 6, 6, 5]"]
+    cfg = load_config(None, layout).resolve(2, 257)
+    assert pipeline_layer_split(24, cfg.parallel) == [7, 6, 6, 5]
+    bad = {
+        "[7, 6, 6]": r"has 3 entries; it needs pp\*vpp = 2\*2 = 4",
+        "[7, 6, 6, 6]": r"sums to 25 layers; model.num_layers = 24",
+        "[12, 0, 6, 6]": r"every entry must be a whole number of layers, at least 1",
+        "[7.5, 5.5, 6, 5]": r"every entry must be a whole number",
+    }
+    for counts, message in bad.items():
+        with pytest.raises(ConfigError, match=r"parallel.virtual_stage_layers = .*" + message):
+            load_config(None, [*layout[:3], f"parallel.virtual_stage_layers={counts}"]).resolve(2, 257)
+    with pytest.raises(ConfigError, match="unset parallel.first_stage_layers/last_stage_layers"):
+        load_config(None, [*layout, "parallel.first_stage_layers=7"]).resolve(2, 257)
+    with pytest.raises(ConfigError, match=r"needs parallel.pp > 1"):
+        load_config(None, ["model.num_layers=4", "parallel.virtual_stage_layers=[4]"]).resolve(1, 257)
+    with pytest.raises(ConfigError, match=r"should be list"):
+        load_config(None, [*layout[:3], "parallel.virtual_stage_layers=7"])
+    with pytest.raises(ConfigError, match=r"set parallel.virtual_stage_layers"):
+        load_config(None, ["model.num_layers=10", "parallel.pp=2", "parallel.vpp=2"]).resolve(2, 257)
+
+
 def test_diff_and_format_round_trip(tmp_path):
     a = RunConfig().resolve(1, 257)
     b = load_config(None, ["model.num_layers=4"]).resolve(1, 257)

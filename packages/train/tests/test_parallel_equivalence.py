@@ -30,3 +30,15 @@ def test_pipeline_under_bf16_matches_single_process():
     assert losses.keys() == single["losses"].keys()
     for step, loss in single["losses"].items():
         assert abs(losses[step] - loss) < 1e-3 * abs(loss), (step, losses[step], loss)
+
+
+def test_unevenly_split_interleaved_pipeline_matches_single_process():
+    """``parallel.virtual_stage_layers`` (how the reference model's pp=2 stages are balanced
+    against the LM head): 6 layers as 2, 2, 1, 1 over pp=2, vpp=2 train like one process."""
+    six = ["model.num_layers=6"]
+    (single,) = run_distributed(run_tiny, 1, args=(six,))
+    split = run_distributed(run_tiny, 2, args=([*six, "parallel.pp=2", "parallel.vpp=2",
+                                                "parallel.virtual_stage_layers=[2, 2, 1, 1]"],))
+    compare_with_reference("pp2_vpp2 split 2, 2, 1, 1", split, single)
+    held = [sorted({int(name.split(".")[1]) for name in r["grads"] if name.startswith("layers.")}) for r in split]
+    assert held == [[0, 1, 4], [2, 3, 5]], held

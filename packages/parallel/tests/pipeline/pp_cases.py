@@ -21,6 +21,8 @@ WORLD2_CASES = [
     dict(name="1f1b_forward_only", pp=2, num_layers=4, micro_batches=4, forward_only=True),
     dict(name="interleaved", pp=2, vpp=2, num_layers=4, micro_batches=4, no_sync="per_chunk"),
     dict(name="interleaved_6", pp=2, vpp=2, num_layers=8, micro_batches=6, no_sync="single"),
+    # the last virtual stage one layer short, as the LM head's stage is when balanced
+    dict(name="interleaved_uneven_split", pp=2, vpp=2, num_layers=7, micro_batches=4, virtual_stage_layers=[2, 2, 2, 1]),
     dict(name="interleaved_all_warmup", pp=2, vpp=2, num_layers=4, micro_batches=2),
     dict(name="interleaved_forward_only", pp=2, vpp=2, num_layers=4, micro_batches=4, forward_only=True),
     dict(name="tied_1f1b", pp=2, num_layers=4, micro_batches=4, tied=True),
@@ -59,7 +61,8 @@ def run_case(case: dict, device: torch.device = torch.device("cpu")) -> dict:
     full = pp_toy.ToyModel(num_layers, tied=case.get("tied", False))
     chunks = []
     for chunk in range(vpp):
-        start, end = stage_layer_range(num_layers, topology, chunk, case.get("first_stage_layers"))
+        start, end = stage_layer_range(num_layers, topology, chunk, case.get("first_stage_layers"),
+                                       virtual_stage_layers=case.get("virtual_stage_layers"))
         virtual_stage = chunk * pp + topology.pp_rank
         chunk_model = pp_toy.ToyChunk(full, start, end, virtual_stage == 0, virtual_stage == pp * vpp - 1)
         chunks.append(chunk_model.to(device))

@@ -82,6 +82,14 @@ def test_stage_layer_range_explicit_first_and_last():
     assert ranges == [(0, 1), (1, 4), (4, 7), (7, 10)]
 
 
+def test_stage_layer_range_explicit_virtual_stages():
+    # 24 layers at pp = 2, vpp = 2 as [7, 6, 6, 5]: rank 0 holds 0-6 and 13-18, rank 1 7-12 and 19-23.
+    expected = {(0, 0): (0, 7), (1, 0): (7, 13), (0, 1): (13, 19), (1, 1): (19, 24)}
+    for (rank, chunk), layers in expected.items():
+        topology = Topology(pp=2, vpp=2, rank=rank)
+        assert stage_layer_range(24, topology, chunk, virtual_stage_layers=[7, 6, 6, 5]) == layers
+
+
 def test_stage_layer_range_rejects_bad_input():
     with pytest.raises(ParallelError, match="vpp_chunk = 2"):
         stage_layer_range(8, Topology(pp=2, vpp=2), 2)

@@ -126,9 +126,15 @@ class ParallelConfig:
     # and wait per bucket just before the next forward uses them (Megatron's --overlap-param-gather).
     overlap_param_gather: bool = False
     bucket_size_mb: float = 40.0
-    # Layers on the first / last pipeline stage; the rest are split evenly.
+    # Layers on the first / last pipeline stage; the rest are split evenly (vpp = 1 only).
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    # Layers of every virtual pipeline stage, in model order: pp * vpp counts, each at least 1
+    # (at pp = 2, vpp = 2: rank 0's first chunk, rank 1's first, rank 0's second, rank 1's second).
+    # Balances the stages: the last also runs the LM head and loss, so [7, 6, 6, 5] for 24 layers
+    # gives rank 0 13 layers and rank 1 11 plus the head. Megatron's --pipeline-model-parallel-layout
+    # with only the layer counts. Unset: the layers split evenly (or by first/last_stage_layers).
+    virtual_stage_layers: list | None = None
     world_size: int | None = None  # derived: from torch.distributed at resolve time
     dp: int | None = None  # derived: world_size // (tp * pp * cp)
 
@@ -352,29 +358,30 @@ def _resolve_parallel(p: ParallelConfig, world_size: int, m: ModelConfig) -> Non
             f"model.seq_length = {m.seq_length} must be divisible by tp*cp = {p.tp * p.cp} "
             "for sequence parallelism"
         )
-    stage_layers = pipeline_layer_split(m.num_layers, p)  # raises on a bad split
-    del stage_layers
+    pipeline_layer_split(m.num_layers, p)  # raises on a bad split
 
 
 def pipeline_layer_split(num_layers: int, p: ParallelConfig) -> list[int]:
     """Layers per virtual stage, in model order: ``pp * vpp`` entries summing to num_layers.
 
-    The first and last stages may be given explicit sizes; the rest are split evenly."""
+    ``virtual_stage_layers`` gives every size; otherwise the first and last stages may be given
+    explicit sizes and the rest are split evenly."""
     stages = p.pp * p.vpp
     first, last = p.first_stage_layers, p.last_stage_layers
+    if p.virtual_stage_layers is not None:
+        return _explicit_layer_split(num_layers, p)
     if first is None and last is None:
         if num_layers % stages:
             raise ConfigError(
                 f"model.num_layers = {num_layers} is not divisible by pp*vpp = {p.pp}*{p.vpp} = "
-                f"{stages}; change num_layers or set parallel.first_stage_layers/last_stage_layers"
+                f"{stages}; change num_layers or set parallel.virtual_stage_layers (or, at vpp = 1, "
+                "parallel.first_stage_layers/last_stage_layers)"
             )
         return [num_layers // stages] * stages
     if p.vpp > 1:
         raise ConfigError("parallel.first_stage_layers/last_stage_layers need parallel.vpp = 1")
     if stages == 1:
         raise ConfigError("parallel.first_stage_layers/last_stage_layers need parallel.pp > 1")
-    first = first if first is not None else None
-    last = last if last is not None else None
     fixed = (first or 0) + (last or 0)
     free_stages = stages - (first is not None) - (last is not None)
     rest = num_layers - fixed
@@ -390,6 +397,26 @@ def pipeline_layer_split(num_layers: int, p: ParallelConfig) -> list[int]:
     if last is not None:
         split[-1] = last
     return split
+
+
+def _explicit_layer_split(num_layers: int, p: ParallelConfig) -> list[int]:
+    """``parallel.virtual_stage_layers``, checked against the layout and the model."""
+    counts, stages = p.virtual_stage_layers, p.pp * p.vpp
+    if p.first_stage_layers is not None or p.last_stage_layers is not None:
+        raise ConfigError("parallel.virtual_stage_layers gives every stage's layers: unset "
+                          "parallel.first_stage_layers/last_stage_layers, or put their counts in it")
+    if p.pp == 1:
+        raise ConfigError("parallel.virtual_stage_layers needs parallel.pp > 1 (one stage holds every layer)")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in counts):
+        raise ConfigError(f"parallel.virtual_stage_layers = {counts!r}: every entry must be a whole number "
+                          "of layers, at least 1")
+    if len(counts) != stages:
+        raise ConfigError(f"parallel.virtual_stage_layers = {counts!r} has {len(counts)} entries; it needs "
+                          f"pp*vpp = {p.pp}*{p.vpp} = {stages}, one per virtual stage in model order")
+    if sum(counts) != num_layers:
+        raise ConfigError(f"parallel.virtual_stage_layers = {counts!r} sums to {sum(counts)} layers; "
+                          f"model.num_layers = {num_layers}")
+    return list(counts)
 
 
 def _resolve_model(m: ModelConfig, p: ParallelConfig, tokenizer_vocab_size: int | None) -> None:

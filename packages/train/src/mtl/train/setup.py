@@ -61,6 +61,7 @@ def build_model_chunks(config: RunConfig, topology: Topology, device: torch.devi
         layer_range = stage_layer_range(
             config.model.num_layers, topology, chunk,
             first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,
+            virtual_stage_layers=p.virtual_stage_layers,
         )
         first_virtual = topology.is_first_stage and chunk == 0
         last_virtual = topology.is_last_stage and chunk == p.vpp - 1

@@ -17,6 +17,7 @@ def stage_layer_range(
     vpp_chunk: int,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    virtual_stage_layers: list[int] | None = None,
 ) -> tuple[int, int]:
     """Global layer indices ``[start, end)`` of chunk ``vpp_chunk`` on this pipeline rank."""
     if not 0 <= vpp_chunk < topology.vpp:
@@ -30,6 +31,7 @@ def stage_layer_range(
             vpp=topology.vpp,
             first_stage_layers=first_stage_layers,
             last_stage_layers=last_stage_layers,
+            virtual_stage_layers=virtual_stage_layers,
         ),
     )
     virtual_stage = vpp_chunk * topology.pp + topology.pp_rank
