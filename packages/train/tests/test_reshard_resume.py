@@ -1,5 +1,5 @@
 """Any layout resumes any other: a checkpoint saved at tp=2 x pp=2 (or at dp=2 under the
-distributed optimizer) at step 10 of 20 resumes at other layouts, and steps 11-20 equal a
+distributed optimizer) at step 10 of 20 resumes at other layouts (a pipeline split otherwise included), and steps 11-20 equal a
 straight 20-step run within 1e-5 relative. Weights-only starts (ckpt.load_optimizer = false,
 ckpt.finetune_from) take the weights from any layout and begin at iteration 0."""
 
@@ -16,7 +16,9 @@ BASE = [o for o in TINY if not o.startswith("train.iters")] + ["train.iters=20",
 SAVE_LAYOUTS = {"tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
                 "dp2_distopt": (2, ["parallel.distributed_optimizer=true"])}
 RESUME_LAYOUTS = {"single": (1, []), "tp2": (2, ["parallel.tp=2"]), "pp2": (2, ["parallel.pp=2"]),
-                  "dp2_distopt": (2, ["parallel.distributed_optimizer=true"])}
+                  "dp2_distopt": (2, ["parallel.distributed_optimizer=true"]),
+                  # the pipeline rebalanced on resume: 3 layers and 1 where the checkpoint had 2 and 2
+                  "pp2_rebalanced": (2, ["parallel.pp=2", "parallel.virtual_stage_layers=[3, 1]"])}
 
 
 def run(overrides: list[str]) -> dict:
@@ -55,6 +57,7 @@ def saved(tmp_path_factory):
 
 @pytest.mark.parametrize("source, target", [
     ("tp2_pp2", "single"), ("tp2_pp2", "tp2"), ("tp2_pp2", "pp2"), ("tp2_pp2", "dp2_distopt"),
+    ("tp2_pp2", "pp2_rebalanced"),
     ("dp2_distopt", "single"), ("dp2_distopt", "tp2"),
 ])
 def test_resume_at_another_layout_continues_the_run(source, target, saved, straight):

@@ -22,7 +22,8 @@ WORLD2_CASES = [
     dict(name="interleaved", pp=2, vpp=2, num_layers=4, micro_batches=4, no_sync="per_chunk"),
     dict(name="interleaved_6", pp=2, vpp=2, num_layers=8, micro_batches=6, no_sync="single"),
     # the last virtual stage one layer short, as the LM head's stage is when balanced
-    dict(name="interleaved_uneven_split", pp=2, vpp=2, num_layers=7, micro_batches=4, virtual_stage_layers=[2, 2, 2, 1]),
+    dict(name="interleaved_uneven_split", pp=2, vpp=2, num_layers=7, micro_batches=4,
+         virtual_stage_layers=[2, 2, 2, 1]),
     dict(name="interleaved_all_warmup", pp=2, vpp=2, num_layers=4, micro_batches=2),
     dict(name="interleaved_forward_only", pp=2, vpp=2, num_layers=4, micro_batches=4, forward_only=True),
     dict(name="tied_1f1b", pp=2, num_layers=4, micro_batches=4, tied=True),
