@@ -67,6 +67,31 @@ def test_flops_scale_with_the_global_batch(mtl, ok, tiny_toml):
     assert flops("--set", "train.global_batch_size=8") == 2 * flops()
 
 
+def test_dry_run_shows_each_pipeline_rank_s_share_of_the_flops(mtl, ok, tiny_toml):
+    """At pp > 1 the last rank also runs the LM head; ``parallel.virtual_stage_layers`` moves
+    layers to balance it. By hand (4 layers, 64 tokens per iteration, 3 x 2 FLOPs per
+    multiply-add): a layer's QKV, scores, projection and GELU MLP 3 * 64 * 25,600 = 4,915,200;
+    the head 3 * 64 * 2 * 32 * 384 = 4,718,592; in all 24,379,392."""
+    layer, head = 3 * 64 * 25_600, 3 * 64 * 2 * H * V_PADDED
+    total = 4 * layer + head
+
+    def shares(*sets):
+        out = ok(mtl("train", tiny_toml, "--dry-run", "--set", "model.num_layers=4", "--set", "parallel.pp=2", *sets))
+        assert f"FLOPs per iteration: {total:.4e}" in out
+        return re.search(r"^pipeline ranks' share of the FLOPs \(the busiest sets the step\): (.*)$", out,
+                         re.MULTILINE).group(1)
+
+    even = (f"rank 0 {100 * 2 * layer / total:.1f}% (2 layers), "
+            f"rank 1 {100 * (2 * layer + head) / total:.1f}% (2 layers + LM head)")
+    assert shares() == even == "rank 0 40.3% (2 layers), rank 1 59.7% (2 layers + LM head)"
+    moved = shares("--set", "parallel.virtual_stage_layers=[3, 1]")
+    assert moved == "rank 0 60.5% (3 layers), rank 1 39.5% (1 layer + LM head)"
+    # interleaved: rank 0 holds virtual stages 0 and 2, rank 1 stages 1 and 3
+    assert shares("--set", "parallel.vpp=2", "--set", "parallel.virtual_stage_layers=[1, 1, 1, 1]") == even
+    out = ok(mtl("train", tiny_toml, "--dry-run"))
+    assert "pipeline ranks" not in out  # one stage: nothing to balance
+
+
 def test_set_overrides_show_in_the_dry_run(mtl, ok, tiny_toml):
     out = ok(mtl("train", tiny_toml, "--dry-run", "--set", "model.hidden_size=48",
                  "--set", "logging.dir=runs/not-toml", "--set", "train.lr=2e-4"))

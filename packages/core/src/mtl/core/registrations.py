@@ -146,6 +146,9 @@ class ModelFamily:
     - ``flops_per_iteration(config) -> float`` (optional): model FLOPs of one training
       iteration (forward and backward, counted as Megatron counts them); the training loop's
       TFLOP/s and MFU and ``--dry-run`` use it, and omit them for a family without one.
+    - ``layer_flops_per_iteration(config) -> list[float]`` (optional): each transformer layer's
+      part of ``flops_per_iteration``, in layer order (the rest is the LM head's); ``--dry-run``
+      shows each pipeline rank's share with it.
     - ``activation_bytes_per_layer(config) -> float`` (optional): activation memory of one
       layer for one micro-batch on one rank, for ``--dry-run``'s memory estimate.
     - ``converters``: maps a format name ("hf") to an object with
@@ -163,6 +166,7 @@ class ModelFamily:
     description: str = ""
     layer_spec: Callable[..., Any] | None = None
     flops_per_iteration: Callable[[Any], float] | None = None
+    layer_flops_per_iteration: Callable[[Any], list[float]] | None = None
     activation_bytes_per_layer: Callable[[Any], float] | None = None
 
 

@@ -22,8 +22,12 @@ def gpt_like_family(
     description: str = "",
     converters: Mapping[str, Any] | None = None,
     flops_per_iteration: Callable[[Any], float] = flops.flops_per_iteration,
+    layer_flops_per_iteration: Callable[[Any], list[float]] | None = None,
     activation_bytes_per_layer: Callable[[Any], float] = flops.activation_bytes_per_layer,
 ) -> ModelFamily:
+    if layer_flops_per_iteration is None and flops_per_iteration is flops.flops_per_iteration:
+        # gpt's per-layer split only where the total is gpt's too: a variant's own count has its own
+        layer_flops_per_iteration = flops.layer_flops_per_iteration
     return ModelFamily(
         name=name,
         build=build_gpt,
@@ -31,5 +35,6 @@ def gpt_like_family(
         description=description,
         layer_spec=layer_spec,
         flops_per_iteration=flops_per_iteration,
+        layer_flops_per_iteration=layer_flops_per_iteration,
         activation_bytes_per_layer=activation_bytes_per_layer,
     )

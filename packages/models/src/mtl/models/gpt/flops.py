@@ -17,8 +17,16 @@ def flops_per_iteration(cfg: RunConfig) -> float:
     A parallel attention + MLP block (GPT-J) has the same GEMMs and counts the same; an MoE
     layer counts its active parameters."""
     m, t = cfg.model, cfg.train
+    logits = 2 * m.hidden_size * m.padded_vocab_size
+    return sum(layer_flops_per_iteration(cfg)) + 3.0 * t.global_batch_size * m.seq_length * logits
+
+
+def layer_flops_per_iteration(cfg: RunConfig) -> list[float]:
+    """Each transformer layer's share of ``flops_per_iteration``, in layer order (the rest is
+    the LM head's): what a pipeline stage holding those layers computes."""
+    m, t = cfg.model, cfg.train
     assert cfg.resolved, "resolve the config first"
-    h, s, L = m.hidden_size, m.seq_length, m.num_layers
+    h, s = m.hidden_size, m.seq_length
     tokens = t.global_batch_size * s
     q_width = m.num_attention_heads * m.head_dim
     kv_width = m.num_query_groups * m.head_dim
@@ -29,17 +37,13 @@ def flops_per_iteration(cfg: RunConfig) -> float:
         + 2 * q_width * h  # output projection
     )
     dense_mlp = 2 * h * m.ffn_hidden_size * (gated + 1)  # MLP in (gated: two) and out
-    moe_layers = len(m.moe_layers or [])
     # An MoE layer counts the FLOPs of its active parameters (Megatron's convention): the
     # router, the top-k experts each token goes to, and the shared expert.
-    moe_mlp = 0
-    if moe_layers:
-        moe_mlp = (2 * h * m.num_experts
-                   + m.moe_top_k * 2 * h * m.moe_ffn_hidden_size * (gated + 1)
-                   + 2 * h * m.moe_shared_expert_ffn_hidden_size * (gated + 1))
-    per_token = L * attention + (L - moe_layers) * dense_mlp + moe_layers * moe_mlp
-    logits = 2 * h * m.padded_vocab_size
-    return 3.0 * tokens * (per_token + logits)
+    moe_mlp = (2 * h * m.num_experts
+               + m.moe_top_k * 2 * h * m.moe_ffn_hidden_size * (gated + 1)
+               + 2 * h * m.moe_shared_expert_ffn_hidden_size * (gated + 1)) if m.moe_layers else 0
+    moe_layers = set(m.moe_layers or [])
+    return [3.0 * tokens * (attention + (moe_mlp if i in moe_layers else dense_mlp)) for i in range(m.num_layers)]
 
 
 def activation_bytes_per_layer(cfg: RunConfig) -> float:
