@@ -11,27 +11,41 @@
 # ROWS="gpu1 tp2_sp_mb8 ..." runs only the rows named (each table still needs its one-GPU row).
 # TORCHRUN_ARGS adds arguments to every row's torchrun (a row may set its own). Each row's whole
 # log goes to $OUT/row_NAME.log.
+# DRY=N runs nothing and needs no GPU: it prints one line per row as if N GPUs were there,
+# "DRY_ROW<TAB>name<TAB>processes<TAB>mtl train's arguments (config first), separated by US (0x1f)",
+# for tests/test_bench_rows.py, which resolves every row's config before GPU time goes to a typo.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-bash benchmarks/gpu/setup.sh
 export PYTHONUNBUFFERED=1
 ITERS=${ITERS:-10}
 SHORT=${SHORT:-1}
 MOE=${MOE:-1}
 LONG=${LONG:-1}
-NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+if [ -n "${DRY:-}" ]; then
+  NGPU=$DRY LINK=0
+else
+  bash benchmarks/gpu/setup.sh
+  NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+fi
 if [ "$NGPU" -lt 2 ]; then echo "bench_multi_gpu.sh needs at least 2 GPUs, found $NGPU" >&2; exit 1; fi
 if [ "${LINK:-1}" = 1 ]; then
   timeout 120 torchrun --standalone --nproc-per-node "$NGPU" benchmarks/gpu/link_bandwidth.py 2>&1 | grep -v "^\[rank[1-9]" \
     | tee "${OUT:-.}/link_bandwidth.md" || true
 fi
-rm -rf runs/multi_*  # metrics.jsonl appends, and the table lists every runs/multi_* folder
+if [ -z "${DRY:-}" ]; then rm -rf runs/multi_*; fi  # metrics.jsonl appends, and the table lists every runs/multi_* folder
 run() {  # run NAME NPROC [--set ...]; CONFIG= picks another model (default: the reference)
   local name=$1 nproc=$2; shift 2
   if [ -n "${ROWS:-}" ] && [[ " $ROWS " != *" $name "* ]]; then return 0; fi
+  local train_args=("${CONFIG:-benchmarks/gpu/llama_reference.toml}" --set train.iters="$ITERS"
+                    --set logging.dir="'runs/multi_$name'" "$@")
+  if [ -n "${DRY:-}" ]; then
+    local IFS=$'\x1f'
+    printf 'DRY_ROW\t%s\t%s\t%s\n' "$name" "$nproc" "${train_args[*]}"
+    return 0
+  fi
   echo "== $name on $nproc GPU(s)"
-  timeout "${RUN_TIMEOUT:-240}" torchrun --standalone --nproc-per-node "$nproc" ${TORCHRUN_ARGS:-} -m mtl.cli train "${CONFIG:-benchmarks/gpu/llama_reference.toml}" \
-    --set train.iters="$ITERS" --set logging.dir="'runs/multi_$name'" "$@" 2>&1 | tee "${OUT:-.}/row_$name.log" \
+  timeout "${RUN_TIMEOUT:-240}" torchrun --standalone --nproc-per-node "$nproc" ${TORCHRUN_ARGS:-} -m mtl.cli train \
+    "${train_args[@]}" 2>&1 | tee "${OUT:-.}/row_$name.log" \
     | grep -v "^\[rank[1-9]" | tail -4 || true  # the whole log beside the tables: a failed row's traceback
 }
 if [ "$SHORT" = 1 ]; then
@@ -121,6 +135,7 @@ if [ "$MOE" = 1 ]; then
     CONFIG=benchmarks/gpu/moe_reference.toml run moe_dp4_ep2 4 --set parallel.ep=2
   fi
 fi
+if [ -n "${DRY:-}" ]; then exit 0; fi
 table() {  # table BASELINE OUTFILE ROW-FOLDERS...
   local baseline=$1 out=$2; shift 2
   python3 benchmarks/gpu/summarize.py --baseline "$baseline" $(for d in "$@"; do echo "${d#runs/multi_}=$d/metrics.jsonl"; done) \

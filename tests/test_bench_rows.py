@@ -1,0 +1,49 @@
+"""Every row of benchmarks/gpu/bench_multi_gpu.sh resolves: its `mtl train` arguments, as the
+script builds them (`DRY=N` prints them instead of launching torchrun), go through
+`mtl train --dry-run` at the row's world size. A typo in a row, or a row the config refuses,
+fails here on the CPU instead of costing a GPU call."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from mtl.cli.main import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks/gpu/bench_multi_gpu.sh"
+TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def rows(gpus: int) -> list[tuple[str, int, list[str]]]:
+    """(name, processes, mtl train arguments) of every row the script runs on ``gpus`` GPUs."""
+    out = subprocess.run(["bash", str(SCRIPT)], env={"PATH": "/usr/bin:/bin", "DRY": str(gpus)},
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    found = []
+    for line in out.splitlines():
+        tag, name, processes, args = line.split("\t")
+        assert tag == "DRY_ROW", line
+        found.append((name, int(processes), args.split("\x1f")))
+    return found
+
+
+ROWS = {name: (processes, args) for gpus in (2, 4) for name, processes, args in rows(gpus)}
+
+
+def test_the_script_lists_the_rows_issue_11_measures():
+    assert {"gpu1", "dp2", "tp2_sp_mb16_async", "pp2_vpp2_balanced", "long_gpu1", "long_cp2", "dp4"} <= set(ROWS)
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_row_resolves(name, monkeypatch, tmp_path):
+    processes, args = ROWS[name]
+    monkeypatch.chdir(ROOT)  # the rows name their config relative to the repository
+    result = CliRunner().invoke(cli, ["train", *args, "--dry-run"], env={"WORLD_SIZE": str(processes)})
+    if "train.compile_cpp_wrapper=true" in args and "parallel.tp=2" in args and TORCH >= (2, 13):
+        # the GPU machines run torch 2.11; this torch's C++ wrapper cannot pass collectives their group
+        assert result.exit_code != 0 and "needs torch < 2.13" in result.output, result.output
+        return
+    assert result.exit_code == 0, result.output
+    assert f"world size {processes}:" in result.output
