@@ -37,7 +37,7 @@ def test_the_script_lists_the_rows_issue_11_measures():
 
 
 @pytest.mark.parametrize("name", sorted(ROWS))
-def test_row_resolves(name, monkeypatch, tmp_path):
+def test_row_resolves(name, monkeypatch):
     processes, args = ROWS[name]
     monkeypatch.chdir(ROOT)  # the rows name their config relative to the repository
     result = CliRunner().invoke(cli, ["train", *args, "--dry-run"], env={"WORLD_SIZE": str(processes)})
