@@ -22,6 +22,7 @@ SHORT=${SHORT:-1}
 MOE=${MOE:-1}
 LONG=${LONG:-1}
 if [ -n "${DRY:-}" ]; then
+  if ! [[ $DRY =~ ^[0-9]+$ ]]; then echo "DRY=N needs the number of GPUs to list the rows for, got '$DRY'" >&2; exit 1; fi
   NGPU=$DRY LINK=0
 else
   bash benchmarks/gpu/setup.sh
@@ -109,7 +110,7 @@ if [ "$SHORT" = 1 ]; then
     # FlashAttention-4 behind SDPA, where installed (benchmarks/gpu/fa4_install.sh, carry .whl/fa4): its
     # Python launches cost ~0.7 ms of host per forward + backward (fa4_host_profile.py), which a
     # host-bound tp=2 rank may not hide
-    if python3 -c "import flash_attn.cute.interface" 2>/dev/null; then
+    if [ -n "${DRY:-}" ] || python3 -c "import flash_attn.cute.interface" 2>/dev/null; then
       run gpu1_fa4 1 --set "train.attention_kernel='fa4'"
       run tp2_sp_fa4 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set "train.attention_kernel='fa4'"
     fi

@@ -86,10 +86,31 @@ def test_dry_run_shows_each_pipeline_rank_s_share_of_the_flops(mtl, ok, tiny_tom
     assert shares() == even == "rank 0 40.3% (2 layers), rank 1 59.7% (2 layers + LM head)"
     moved = shares("--set", "parallel.virtual_stage_layers=[3, 1]")
     assert moved == "rank 0 60.5% (3 layers), rank 1 39.5% (1 layer + LM head)"
-    # interleaved: rank 0 holds virtual stages 0 and 2, rank 1 stages 1 and 3
-    assert shares("--set", "parallel.vpp=2", "--set", "parallel.virtual_stage_layers=[1, 1, 1, 1]") == even
     out = ok(mtl("train", tiny_toml, "--dry-run"))
     assert "pipeline ranks" not in out  # one stage: nothing to balance
+
+
+def test_dry_run_pipeline_shares_follow_the_virtual_stages(mtl, ok, tiny_toml):
+    """Interleaved, rank r holds virtual stages r, r + pp, ...: 5 layers as 1, 2, 1, 1 put 2
+    layers on rank 0 (stages 0 and 2) and 3 and the head on rank 1 (stages 1 and 3); in an MoE
+    model each rank sums its own layers' counts (layers 0 and 2 MoE, 1 and 3 dense)."""
+    layer, head = 3 * 64 * 25_600, 3 * 64 * 2 * H * V_PADDED
+    total = 5 * layer + head
+    out = ok(mtl("train", tiny_toml, "--dry-run", "--set", "model.num_layers=5", "--set", "parallel.pp=2",
+                 "--set", "parallel.vpp=2", "--set", "parallel.virtual_stage_layers=[1, 2, 1, 1]"))
+    assert (f"rank 0 {100 * 2 * layer / total:.1f}% (2 layers), "
+            f"rank 1 {100 * (3 * layer + head) / total:.1f}% (3 layers + LM head)") in out
+
+    from mtl.models.gpt.flops import flops_per_iteration, layer_flops_per_iteration
+
+    moe = ["model.num_layers=4", "parallel.pp=2", "parallel.virtual_stage_layers=[1, 3]", *MOE_SETS]
+    cfg = load_config(tiny_toml, moe).resolve(world_size=2, tokenizer_vocab_size=257)
+    per_layer, total = layer_flops_per_iteration(cfg), flops_per_iteration(cfg)
+    assert cfg.model.moe_layers == [0, 2] and per_layer[0] == per_layer[2] != per_layer[1] == per_layer[3]
+    rank0 = per_layer[0]
+    out = ok(mtl("train", tiny_toml, "--dry-run", *[arg for key in moe for arg in ("--set", key)]))
+    assert (f"rank 0 {100 * rank0 / total:.1f}% (1 layer), "
+            f"rank 1 {100 * (total - rank0) / total:.1f}% (3 layers + LM head)") in out
 
 
 def test_set_overrides_show_in_the_dry_run(mtl, ok, tiny_toml):

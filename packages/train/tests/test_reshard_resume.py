@@ -1,7 +1,8 @@
 """Any layout resumes any other: a checkpoint saved at tp=2 x pp=2 (or at dp=2 under the
-distributed optimizer) at step 10 of 20 resumes at other layouts (a pipeline split otherwise
-included), and steps 11-20 equal a straight 20-step run within 1e-5 relative. Weights-only starts (ckpt.load_optimizer = false,
-ckpt.finetune_from) take the weights from any layout and begin at iteration 0."""
+distributed optimizer) at step 10 of 20 resumes at other layouts (including another pipeline
+split), and steps 11-20 equal a straight 20-step run within 1e-5 relative. Weights-only starts
+(ckpt.load_optimizer = false, ckpt.finetune_from) take the weights from any layout and begin at
+iteration 0."""
 
 import pytest
 import torch

@@ -12,6 +12,7 @@ import torch
 
 from mtl.core.config import RunConfig, pipeline_layer_split
 from mtl.core.config_io import format_config
+from mtl.core.errors import MtlError
 from mtl.core.flops import memory_per_gpu_bytes, parameter_counts
 from mtl.core.model_protocol import build_model
 from mtl.core.plugins import registry
@@ -72,6 +73,9 @@ def pipeline_shares(cfg: RunConfig, layer_flops: list[float], total: float) -> s
     also runs the LM head, whatever the family counts beyond its layers). The busiest rank sets
     the step; ``parallel.virtual_stage_layers`` moves layers between ranks."""
     p = cfg.parallel
+    if len(layer_flops) != cfg.model.num_layers:
+        raise MtlError(f"model family '{cfg.model.family}': layer_flops_per_iteration gave {len(layer_flops)} "
+                       f"counts for model.num_layers = {cfg.model.num_layers}; it must give one per layer")
     layers, flops = [0] * p.pp, [0.0] * p.pp
     start = 0
     for stage, count in enumerate(pipeline_layer_split(cfg.model.num_layers, p)):

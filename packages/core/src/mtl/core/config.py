@@ -120,7 +120,7 @@ class ParallelConfig:
     # Off by default: it pays only where each fused op has enough work. On 2 H200s (reference
     # model, tp=2 + sp, benchmarks/RESULTS.md, sixteenth session) micro-batch 16: 0.555-0.563
     # against 0.591-0.592 s (88-89% of one GPU per GPU); micro-batch 8: no change; micro-batch 4,
-    # a rank bound by its host: 2.3x slower.
+    # a rank bound by its host: 35% (53-68% without async TP in earlier sessions).
     async_tp: bool = False
     # Distributed optimizer only: all-gather updated parameters asynchronously after the step
     # and wait per bucket just before the next forward uses them (Megatron's --overlap-param-gather).
@@ -379,7 +379,8 @@ def pipeline_layer_split(num_layers: int, p: ParallelConfig) -> list[int]:
             )
         return [num_layers // stages] * stages
     if p.vpp > 1:
-        raise ConfigError("parallel.first_stage_layers/last_stage_layers need parallel.vpp = 1")
+        raise ConfigError("parallel.first_stage_layers/last_stage_layers need parallel.vpp = 1; at vpp > 1 "
+                          "parallel.virtual_stage_layers gives every virtual stage's layers")
     if stages == 1:
         raise ConfigError("parallel.first_stage_layers/last_stage_layers need parallel.pp > 1")
     fixed = (first or 0) + (last or 0)

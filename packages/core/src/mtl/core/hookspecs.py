@@ -63,8 +63,9 @@ def mtl_model_families() -> list[ModelFamily]:
       ``tp_split_dim`` / ``tp_stride``, ``expert_split_dim``, ``vocab_rows``; initialisation,
       the checkpoint layout and data parallelism read these attributes, not name patterns.
     - A gpt-like family reuses ``GPTModel`` and supplies only ``layer_spec(config, backend)``.
-    - ``flops_per_iteration(config)`` feeds TFLOP/s, MFU and ``--dry-run``; core holds no
-      family's formula. Parameter counts come from the model built on the meta device."""
+    - ``flops_per_iteration(config)`` feeds TFLOP/s, MFU and ``--dry-run``, and
+      ``layer_flops_per_iteration(config)`` (each layer's part) ``--dry-run``'s pipeline shares;
+      core holds no family's formula. Parameter counts come from the model built on the meta device."""
 
 
 @hookspec

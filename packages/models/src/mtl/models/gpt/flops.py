@@ -17,6 +17,7 @@ def flops_per_iteration(cfg: RunConfig) -> float:
     A parallel attention + MLP block (GPT-J) has the same GEMMs and counts the same; an MoE
     layer counts its active parameters."""
     m, t = cfg.model, cfg.train
+    assert cfg.resolved, "resolve the config first"
     logits = 2 * m.hidden_size * m.padded_vocab_size
     return sum(layer_flops_per_iteration(cfg)) + 3.0 * t.global_batch_size * m.seq_length * logits
 
