@@ -9,20 +9,16 @@ were hidden. Received tensors hold garbage (the loss may read nan); only times m
 
 from __future__ import annotations
 
-import os
-
 AS_RANK_HELP = "run as rank R of W processes whose collectives move nothing (benchmarks/gpu/fake_group.py)"
 
 
 def join_fake_group(spec: str) -> None:
     """Initialise the fake process group as rank R of W (``spec`` "R/W") before mtl's setup,
-    which then builds its groups over it as over a launcher's."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    which then builds its groups over it as over a launcher's; this one process drives the GPU
+    of local rank 0 (``mtl.parallel.testing.join_fake_group``)."""
+    from mtl.parallel.testing import join_fake_group as join
 
     rank, _, world = spec.partition("/")
     if not (rank.isdigit() and world.isdigit() and int(rank) < int(world)):
         raise SystemExit(f"--as-rank {spec!r}: give R/W with 0 <= R < W, e.g. 0/2")
-    # what a launcher would set; this one process drives the GPU of local rank 0
-    os.environ.update(RANK=rank, WORLD_SIZE=world, LOCAL_RANK="0")
-    dist.init_process_group("fake", store=FakeStore(), rank=int(rank), world_size=int(world))
+    join(int(rank), int(world))

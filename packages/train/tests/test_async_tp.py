@@ -29,15 +29,12 @@ from mtl.train.testing import TINY
 # compiled graph, the collectives torch's pass would fuse. No cache: every graph is compiled, so
 # the pass sees it.
 SCRIPT = textwrap.dedent("""
-    import json, os
-    import torch
-    import torch.distributed as dist
+    import json
     import torch._inductor.config as inductor_config
     from torch._inductor.fx_passes import micro_pipeline_tp as async_tp
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from mtl.parallel.testing import join_fake_group
 
-    os.environ.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    join_fake_group(rank=0, world_size=2)
     collectives = ("_c10d_functional.all_gather_into_tensor", "_c10d_functional.reduce_scatter_tensor")
     graphs = []
 

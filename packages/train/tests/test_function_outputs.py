@@ -41,7 +41,7 @@ class _InPlaceWrites(TorchDispatchMode):
         kwargs = kwargs or {}
         outputs = func(*args, **kwargs)
         if self.frames:
-            inputs = [t for t in _tensors([args, kwargs])]
+            inputs = _tensors([args, kwargs])
             # written in place, or passed through as its own result (an in-place op's self, the
             # tensor c10d's in-place ops return, _c10d_functional.wait_tensor's): either way the
             # traced forward holds this tensor as one more intermediate
@@ -114,12 +114,10 @@ def run_recording(overrides: list[str]) -> list[str]:
 # they take on NCCL (gloo has no reduce-scatter, and mtl sums by all-reduce there instead), and
 # move nothing, so the losses are garbage; only the Functions' outputs are looked at.
 FAKE_GROUP_SCRIPT = textwrap.dedent("""
-    import json, os, sys
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    import json, sys
+    from mtl.parallel.testing import join_fake_group
 
-    os.environ.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    join_fake_group(rank=0, world_size=2)
     sys.path.insert(0, {tests!r})
     from test_function_outputs import watching_functions
     from mtl.train.testing import run_tiny

@@ -1,6 +1,7 @@
 """Run a function on N CPU processes joined by a gloo process group; used by the test suites.
 
     results = run_distributed(fn, world_size=2, args=(...))   # fn(*args) on every rank
+    join_fake_group(rank=0, world_size=2)   # this one process as a rank whose collectives move nothing
 
 ``fn`` must be defined at module level. It travels to the spawned processes by reference
 (module name, file, qualified name), so test modules that pytest imported under a name
@@ -117,3 +118,17 @@ def run_distributed(fn: Callable, world_size: int, args: tuple = (), backend: st
     if errors:
         raise RuntimeError("\n".join(errors))
     return [payload for _, payload in results]
+
+
+def join_fake_group(rank: int, world_size: int) -> None:
+    """Initialise torch's fake process group in this process as rank ``rank`` of ``world_size``,
+    as a launcher would (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` 0), before mtl's setup builds its
+    groups over it. Every collective returns at once without touching data: the code takes the
+    path it takes on NCCL (which gloo's lack of reduce-scatter changes) and one process does one
+    rank's work, but received tensors hold garbage."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not 0 <= rank < world_size:
+        raise ParallelError(f"join_fake_group: rank {rank} is not in 0..{world_size - 1}")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
