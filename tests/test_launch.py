@@ -116,6 +116,17 @@ def test_torchrun_sequence_parallel_trains_like_one_process(tmp_path):
     assert_same_losses(single, split)
 
 
+def test_torchrun_hand_split_interleaved_pipeline_trains_like_one_process(tmp_path):
+    """pp=2 with vpp=2 and the stages sized by ``parallel.virtual_stage_layers`` (6 layers as 2, 2,
+    1, 1, the last stage the smallest as when balanced against the LM head): two torchrun
+    processes log one process's losses."""
+    config = write_config(tmp_path, iters=3)
+    single, _ = cli_losses(tmp_path, config, [str(BIN / "python")], "model.num_layers=6")
+    split, _ = cli_losses(tmp_path, config, TWO_PROCESSES, "model.num_layers=6", "parallel.pp=2", "parallel.vpp=2",
+                          "parallel.virtual_stage_layers=[2, 2, 1, 1]")
+    assert_same_losses(single, split)
+
+
 def test_sigterm_saves_the_current_step_and_resume_continues(tmp_path):
     config = write_config(tmp_path, iters=100_000)
     logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
