@@ -366,10 +366,10 @@ def pipeline_layer_split(num_layers: int, p: ParallelConfig) -> list[int]:
 
     ``virtual_stage_layers`` gives every size; otherwise the first and last stages may be given
     explicit sizes and the rest are split evenly."""
-    stages = p.pp * p.vpp
-    first, last = p.first_stage_layers, p.last_stage_layers
     if p.virtual_stage_layers is not None:
         return _explicit_layer_split(num_layers, p)
+    stages = p.pp * p.vpp
+    first, last = p.first_stage_layers, p.last_stage_layers
     if first is None and last is None:
         if num_layers % stages:
             raise ConfigError(
