@@ -43,6 +43,19 @@ def test_the_script_lists_the_scaling_rows():
             "tp2_dp2", "gpu1_fa4", "tp2_sp_fa4"} <= set(ROWS)
 
 
+def test_the_flops_split_rows_are_the_splits_measured_by_hand(monkeypatch):
+    """``parallel.pipeline_split = 'flops'`` gives the reference model the splits that were first
+    measured as ``parallel.virtual_stage_layers`` (RESULTS.md, seventeenth session: 93% and 95%)."""
+    monkeypatch.chdir(ROOT)
+    expected = {"pp2_flops": "[13, 11]", "pp2_vpp2_balanced": "[7, 6, 6, 5]",
+                "pp2_vpp4_balanced": "[4, 3, 3, 3, 3, 3, 3, 2]"}
+    for name, split in expected.items():
+        processes, args = ROWS[name]
+        result = CliRunner().invoke(cli, ["train", *args, "--dry-run"], env={"WORLD_SIZE": str(processes)})
+        assert result.exit_code == 0, result.output
+        assert f"virtual_stage_layers = {split}" in result.output.splitlines(), name
+
+
 @pytest.mark.parametrize("name", sorted(ROWS))
 def test_row_resolves(name, monkeypatch):
     processes, args = ROWS[name]

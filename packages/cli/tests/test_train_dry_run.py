@@ -90,6 +90,22 @@ def test_dry_run_shows_each_pipeline_rank_s_share_of_the_flops(mtl, ok, tiny_tom
     assert "pipeline ranks" not in out  # one stage: nothing to balance
 
 
+def test_pipeline_split_by_flops_moves_a_layer_only_where_it_pays(mtl, ok, tiny_toml):
+    """``parallel.pipeline_split = 'flops'`` derives the split the dry run shows. Here the head
+    is 0.96 of a layer: 4 layers stay 2 + 2 (3 + 1 would make rank 0 the busier, 60.5% against
+    59.7%), and 5 layers, which do not split evenly, go 3 + 2 (rank 1: 2 layers + the head)."""
+    def run(layers):
+        return ok(mtl("train", tiny_toml, "--dry-run", "--set", f"model.num_layers={layers}", "--set", "parallel.pp=2",
+                      "--set", "parallel.pipeline_split=flops"))
+
+    four = run(4)
+    assert "virtual_stage_layers = [2, 2]" in four.splitlines()
+    assert "rank 0 40.3% (2 layers), rank 1 59.7% (2 layers + LM head)" in four
+    five = run(5)
+    assert "virtual_stage_layers = [3, 2]" in five.splitlines()
+    assert "rank 0 50.3% (3 layers), rank 1 49.7% (2 layers + LM head)" in five
+
+
 def test_dry_run_pipeline_shares_follow_the_virtual_stages(mtl, ok, tiny_toml):
     """Interleaved, rank r holds virtual stages r, r + pp, ...: 5 layers as 1, 2, 1, 1 put 2
     layers on rank 0 (stages 0 and 2) and 3 and the head on rank 1 (stages 1 and 3); in an MoE
@@ -130,9 +146,10 @@ def test_dry_run_without_a_config_file_uses_the_defaults(mtl, ok, workdir):
     assert "FLOPs per iteration" in out
 
 
-def test_a_family_without_a_flop_count_still_dry_runs(mtl, ok, tiny_toml):
+def test_a_family_without_a_flop_count_still_dry_runs(mtl, ok, clean_error, tiny_toml):
     """FLOPs are the family's: a family record without ``flops_per_iteration`` says so, and
-    its parameters are still counted from the model it builds."""
+    its parameters are still counted from the model it builds; stages sized by FLOPs are
+    refused for it, naming the family and the fix."""
     from dataclasses import replace
 
     from mtl.core.hookspecs import hookimpl
@@ -155,6 +172,14 @@ def test_a_family_without_a_flop_count_still_dry_runs(mtl, ok, tiny_toml):
     assert "FLOPs per iteration: not counted (model family 'gpt_uncounted' gives no flops_per_iteration)" in out
     assert f"parameters: {TOTAL:,}" in out.splitlines()
     assert "activations" not in out.split("estimated memory per GPU:")[1]
+    register_plugin(plugin)
+    try:
+        result = mtl("train", tiny_toml, "--dry-run", "--set", "model.family='gpt_uncounted'", "--set", "parallel.pp=2",
+                     "--set", "parallel.pipeline_split=flops")
+    finally:
+        unregister_plugin(plugin)
+    clean_error(result, "parallel.pipeline_split = 'flops' needs the FLOPs of each layer of model family "
+                        "'gpt_uncounted'", "set parallel.virtual_stage_layers by hand, or pipeline_split = 'even'")
 
 
 MOE_SETS = ("model.bias=false", "model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=16",

@@ -149,6 +149,21 @@ def test_virtual_stage_layers_from_the_command_line():
         load_config(None, ["model.num_layers=10", "parallel.pp=2", "parallel.vpp=2"]).resolve(2, 257)
 
 
+def test_pipeline_split_by_flops_is_checked_before_the_model_is_counted():
+    """``parallel.pipeline_split = 'flops'``: what conflicts with it is named; at pp = 1 there is
+    nothing to split, and the even split's divisibility is not asked for."""
+    flops = ["parallel.pp=2", "parallel.pipeline_split='flops'"]
+    with pytest.raises(ConfigError, match=r"pipeline_split = 'flops' sizes every stage: unset "
+                                          r"parallel.first_stage_layers/last_stage_layers"):
+        load_config(None, ["model.num_layers=4", *flops, "parallel.first_stage_layers=3"]).resolve(2, 257)
+    with pytest.raises(ConfigError, match=r"model.num_layers = 3 cannot fill pp\*vpp = 2\*2 = 4 pipeline stages"):
+        load_config(None, ["model.num_layers=3", *flops, "parallel.vpp=2"]).resolve(2, 257)
+    with pytest.raises(ConfigError, match=r"parallel.pipeline_split = 'halves' is not one of even, flops"):
+        load_config(None, ["parallel.pipeline_split='halves'"]).resolve(1, 257)
+    single = load_config(None, ["model.num_layers=3", "parallel.pipeline_split='flops'"]).resolve(1, 257)
+    assert single.parallel.virtual_stage_layers is None
+
+
 def test_diff_and_format_round_trip(tmp_path):
     a = RunConfig().resolve(1, 257)
     b = load_config(None, ["model.num_layers=4"]).resolve(1, 257)

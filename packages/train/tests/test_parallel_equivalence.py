@@ -5,7 +5,8 @@
 import pytest
 
 from mtl.parallel.testing import run_distributed
-from mtl.train.testing import LAYOUTS, compare_with_reference, run_layout, run_tiny
+from mtl.core.config_io import load_config
+from mtl.train.testing import LAYOUTS, TINY, compare_with_reference, run_layout, run_tiny
 
 
 @pytest.fixture(scope="module")
@@ -18,6 +19,13 @@ def reference():
 def test_layout_matches_single_process(layout, reference):
     assert reference["losses"] and reference["grads"]
     compare_with_reference(layout, run_layout(layout), reference)
+
+
+def test_the_flops_layout_is_uneven():
+    """``pp2_flops`` proves something only if its split is not the even one."""
+    world, overrides = LAYOUTS["pp2_flops"]
+    cfg = load_config(None, [*TINY, *overrides]).resolve(world_size=world, tokenizer_vocab_size=257)
+    assert cfg.parallel.virtual_stage_layers == [3, 1]
 
 
 def test_pipeline_under_bf16_matches_single_process():

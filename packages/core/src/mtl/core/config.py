@@ -30,6 +30,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.fp8_amax_compute_algo": ("max", "most_recent"),
     "parallel.cp_comm_type": ("p2p", "all_gather"),
     "train.attention_kernel": ("sdpa", "fa4"),
+    "parallel.pipeline_split": ("even", "flops"),
 }
 
 
@@ -135,6 +136,11 @@ class ParallelConfig:
     # gives rank 0 13 layers and rank 1 11 plus the head. Megatron's --pipeline-model-parallel-layout
     # with only the layer counts. Unset: the layers split evenly (or by first/last_stage_layers).
     virtual_stage_layers: list | None = None
+    # How pp > 1 sizes the stages when virtual_stage_layers is unset. "even": the same number of
+    # layers each (or first/last_stage_layers). "flops": virtual_stage_layers is derived from the
+    # model family's FLOPs per layer and for the LM head (mtl.core.stage_balance), so that no rank
+    # carries the head on top of an equal share; the resolved config (--dry-run) shows the split.
+    pipeline_split: str = "even"
     world_size: int | None = None  # derived: from torch.distributed at resolve time
     dp: int | None = None  # derived: world_size // (tp * pp * cp)
 
@@ -315,6 +321,7 @@ class RunConfig:
         _check_cuda_graphs(m, p, t)
         _check_attention_kernel(m, p, t)
         cfg.resolved = True
+        _resolve_flops_split(cfg)
         return cfg
 
 
@@ -358,7 +365,10 @@ def _resolve_parallel(p: ParallelConfig, world_size: int, m: ModelConfig) -> Non
             f"model.seq_length = {m.seq_length} must be divisible by tp*cp = {p.tp * p.cp} "
             "for sequence parallelism"
         )
-    pipeline_layer_split(m.num_layers, p)  # raises on a bad split
+    if p.pipeline_split == "flops" and p.virtual_stage_layers is None:
+        _check_flops_split(m.num_layers, p)  # the split itself needs the resolved model: resolve's end
+    else:
+        pipeline_layer_split(m.num_layers, p)  # raises on a bad split
 
 
 def pipeline_layer_split(num_layers: int, p: ParallelConfig) -> list[int]:
@@ -418,6 +428,44 @@ def _explicit_layer_split(num_layers: int, p: ParallelConfig) -> list[int]:
         raise ConfigError(f"parallel.virtual_stage_layers = {counts!r} sums to {sum(counts)} layers; "
                           f"model.num_layers = {num_layers}")
     return list(counts)
+
+
+def _check_flops_split(num_layers: int, p: ParallelConfig) -> None:
+    """What ``parallel.pipeline_split = "flops"`` can be checked for before the model is resolved."""
+    if p.first_stage_layers is not None or p.last_stage_layers is not None:
+        raise ConfigError("parallel.pipeline_split = 'flops' sizes every stage: unset "
+                          "parallel.first_stage_layers/last_stage_layers, or use pipeline_split = 'even'")
+    if num_layers < p.pp * p.vpp:
+        raise ConfigError(f"model.num_layers = {num_layers} cannot fill pp*vpp = {p.pp}*{p.vpp} = "
+                          f"{p.pp * p.vpp} pipeline stages with at least one layer each")
+
+
+def _resolve_flops_split(cfg: "RunConfig") -> None:
+    """``parallel.pipeline_split = "flops"``: derive ``virtual_stage_layers`` from the model family's
+    FLOP counts (``mtl.core.stage_balance``). A split already given must be the one derived (a
+    resolved config resolves again to itself)."""
+    from mtl.core.plugins import registry  # noqa: PLC0415 (plugins imports the hookspecs, not config)
+    from mtl.core.stage_balance import balance_stage_layers  # noqa: PLC0415 (only this option needs it)
+
+    m, p = cfg.model, cfg.parallel
+    if p.pipeline_split != "flops" or p.pp == 1:
+        return  # at pp = 1 one stage holds every layer: nothing to balance
+    families = registry("model family")
+    family = families.get(m.family) if m.family in families else None
+    if family is None or family.flops_per_iteration is None or family.layer_flops_per_iteration is None:
+        raise ConfigError(f"parallel.pipeline_split = 'flops' needs the FLOPs of each layer of model family "
+                          f"'{m.family}' (its flops_per_iteration and layer_flops_per_iteration), which it does not "
+                          "give here; set parallel.virtual_stage_layers by hand, or pipeline_split = 'even'")
+    layer_costs = family.layer_flops_per_iteration(cfg)
+    if len(layer_costs) != m.num_layers:
+        raise ConfigError(f"model family '{m.family}': layer_flops_per_iteration gave {len(layer_costs)} counts for "
+                          f"model.num_layers = {m.num_layers}; it must give one per layer")
+    head_cost = family.flops_per_iteration(cfg) - sum(layer_costs)
+    derived = balance_stage_layers(layer_costs, head_cost, p.pp, p.vpp)
+    if p.virtual_stage_layers is not None and list(p.virtual_stage_layers) != derived:
+        raise ConfigError(f"parallel.virtual_stage_layers = {p.virtual_stage_layers!r} is not the split "
+                          f"parallel.pipeline_split = 'flops' derives ({derived}): unset one of them")
+    p.virtual_stage_layers = derived
 
 
 def _resolve_model(m: ModelConfig, p: ParallelConfig, tokenizer_vocab_size: int | None) -> None:

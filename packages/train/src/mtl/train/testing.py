@@ -34,8 +34,9 @@ LAYOUTS = {
     "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     "pp2": (2, ["parallel.pp=2"]),
     "pp2_vpp2": (2, ["parallel.pp=2", "parallel.vpp=2"]),
-    # stages sized by hand, as the LM head's stage is balanced (the 4 layers as 3 + 1)
-    "pp2_split_3_1": (2, ["parallel.pp=2", "parallel.virtual_stage_layers=[3, 1]"]),
+    # stages sized by FLOPs: the LM head (1.04 layers' work here) takes a layer off its stage,
+    # the 4 layers as 3 + 1 (parallel.virtual_stage_layers gives the same split by hand)
+    "pp2_flops": (2, ["parallel.pp=2", "parallel.pipeline_split='flops'"]),
     "dp2": (2, []),
     "dp2_distopt": (2, ["parallel.distributed_optimizer=true"]),
     "cp2": (2, ["parallel.cp=2", "parallel.cp_comm_type='p2p'"]),  # the ring (compiled, the default is all_gather)
