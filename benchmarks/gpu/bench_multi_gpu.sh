@@ -90,20 +90,19 @@ if [ "$SHORT" = 1 ]; then
     # each rank's process kept on the CPUs of its GPU's NUMA node: the tp=2 step varied 0.7-0.95 s from run to run
     # on one machine (RESULTS.md, fourteenth session) for ~0.5 s of kernels
     TORCHRUN_ARGS="--numa-binding node" run tp2_sp_numa 2 --set parallel.tp=2 --set parallel.sequence_parallel=true
+    # the last stage also runs the LM head and loss (~1.9 layers' FLOPs at vocab 50304): by default the
+    # stages are sized by FLOPs (parallel.pipeline_split), 13 layers and 11 + the head: 90% against 85%
+    # for 12 + 12 (seventeenth session)
     run pp2 2 --set parallel.pp=2
-    # the last stage also runs the LM head and loss (~1.9 layers' FLOPs at vocab 50304): sized by
-    # FLOPs (parallel.pipeline_split) the stages take 13 layers and 11 + the head; and 16 micro-batches
-    # of 2 shrink the 1F1B bubble from 1/9 to 1/17 of the step (but cost more host per token: 0.634 s
-    # against 0.600 s for 8 of 4, RESULTS.md, fourteenth session; vpp=2 halves the bubble instead)
-    run pp2_flops 2 --set parallel.pp=2 --set parallel.pipeline_split=flops
+    run pp2_even 2 --set parallel.pp=2 --set parallel.pipeline_split=even
+    # 16 micro-batches of 2 shrink the 1F1B bubble from 1/9 to 1/17 of the step but cost more host per
+    # token (0.634 s against 0.600 s for 8 of 4, fourteenth session); vpp=2 halves the bubble instead
     run pp2_mb2 2 --set parallel.pp=2 --set train.micro_batch_size=2
-    # interleaved: two chunks per stage halve the pipeline bubble (1/9 of the step at 8 micro-batches)
+    # interleaved: by FLOPs 7, 6, 6, 5 layers (92-93%; 88-91% for an even 6 each, seventeenth session),
+    # and vpp=4 halves the bubble again (4, 3, 3, 3, 3, 3, 3, 2: 95%)
     run pp2_vpp2 2 --set parallel.pp=2 --set parallel.vpp=2
-    # 89.7-91% (fourteenth, seventeenth sessions): rank 1 holds 12 layers and the LM head, rank 0 12 layers;
-    # sized by FLOPs the virtual stages take 7, 6, 6, 5 layers (93%, seventeenth session, given by hand as
-    # parallel.virtual_stage_layers), and vpp=4 halves the bubble again (4, 3, 3, 3, 3, 3, 3, 2: 95%)
-    run pp2_vpp2_balanced 2 --set parallel.pp=2 --set parallel.vpp=2 --set parallel.pipeline_split=flops
-    run pp2_vpp4_balanced 2 --set parallel.pp=2 --set parallel.vpp=4 --set parallel.pipeline_split=flops
+    run pp2_vpp2_even 2 --set parallel.pp=2 --set parallel.vpp=2 --set parallel.pipeline_split=even
+    run pp2_vpp4 2 --set parallel.pp=2 --set parallel.vpp=4
     run cp2 2 --set parallel.cp=2  # compiled at cp=2 the config picks k/v all-gathered
     run cp2_ring 2 --set parallel.cp=2 --set parallel.cp_comm_type=p2p
     run cp2_mb8 2 --set parallel.cp=2 --set train.micro_batch_size=8  # bound by the host as tp=2 is

@@ -145,8 +145,10 @@ def test_virtual_stage_layers_from_the_command_line():
         load_config(None, ["model.num_layers=4", "parallel.virtual_stage_layers=[4]"]).resolve(1, 257)
     with pytest.raises(ConfigError, match=r"should be list"):
         load_config(None, [*layout[:3], "parallel.virtual_stage_layers=7"])
-    with pytest.raises(ConfigError, match=r"set parallel.virtual_stage_layers"):
-        load_config(None, ["model.num_layers=10", "parallel.pp=2", "parallel.vpp=2"]).resolve(2, 257)
+    with pytest.raises(ConfigError, match=r"set parallel.pipeline_split = 'flops', or give the counts in "
+                                          r"parallel.virtual_stage_layers"):
+        load_config(None, ["model.num_layers=10", "parallel.pp=2", "parallel.vpp=2",
+                           "parallel.pipeline_split='even'"]).resolve(2, 257)
 
 
 def test_pipeline_split_by_flops_is_checked_before_the_model_is_counted():
@@ -162,6 +164,46 @@ def test_pipeline_split_by_flops_is_checked_before_the_model_is_counted():
         load_config(None, ["parallel.pipeline_split='halves'"]).resolve(1, 257)
     single = load_config(None, ["model.num_layers=3", "parallel.pipeline_split='flops'"]).resolve(1, 257)
     assert single.parallel.virtual_stage_layers is None
+
+
+def test_pipeline_split_defaults_to_flops_where_the_family_counts_them():
+    """Unset, ``parallel.pipeline_split`` sizes the stages by FLOPs where the model family gives
+    its per-layer counts (here a head worth 2 layers: 6 layers as 4 + 2), and evenly where it
+    does not, or where layer counts are given; a resolved config resolves again to itself."""
+    from mtl.core.hookspecs import hookimpl
+    from mtl.core.plugins import register_plugin, unregister_plugin
+    from mtl.core.registrations import ModelFamily
+
+    def layers(cfg):
+        return [1.0] * cfg.model.num_layers
+
+    counted = ModelFamily(name="counted", build=lambda *a, **k: None, layer_flops_per_iteration=layers,
+                          flops_per_iteration=lambda cfg: sum(layers(cfg)) + 2.0)
+    uncounted = ModelFamily(name="uncounted", build=lambda *a, **k: None)
+
+    class Plugin:
+        @hookimpl
+        def mtl_model_families(self):
+            return [counted, uncounted]
+
+    def resolve(*sets):
+        return load_config(None, ["model.num_layers=6", "parallel.pp=2", *sets]).resolve(2, 257).parallel
+
+    plugin = Plugin()
+    register_plugin(plugin)
+    try:
+        resolved = load_config(None, ["model.num_layers=6", "parallel.pp=2", "model.family='counted'"]).resolve(2, 257)
+        assert (resolved.parallel.pipeline_split, resolved.parallel.virtual_stage_layers) == ("flops", [4, 2])
+        assert resolved.resolve(2, 257).parallel.virtual_stage_layers == [4, 2]
+        with pytest.raises(ConfigError, match=r"virtual_stage_layers = \[3, 3\] is not the split "
+                                              r"parallel.pipeline_split = 'flops' derives \(\[4, 2\]\)"):
+            resolve("model.family='counted'", "parallel.pipeline_split='flops'", "parallel.virtual_stage_layers=[3, 3]")
+        even = resolve("model.family='uncounted'")
+        assert (even.pipeline_split, even.virtual_stage_layers) == ("even", None)
+        given = resolve("model.family='counted'", "parallel.first_stage_layers=2")
+        assert (given.pipeline_split, pipeline_layer_split(6, given)) == ("even", [2, 4])
+    finally:
+        unregister_plugin(plugin)
 
 
 def test_diff_and_format_round_trip(tmp_path):

@@ -25,7 +25,8 @@ def every_split(num_layers: int, stages: int):
     (2, 1, [13, 11]),  # rank 1's 11 layers + the head (1.9 layers' work) against 13
     (2, 2, [7, 6, 6, 5]),
     (2, 4, [4, 3, 3, 3, 3, 3, 3, 2]),
-    (4, 1, [7, 6, 6, 5]),  # four ranks: the same sizes as two ranks of two chunks
+    (4, 1, [6, 6, 7, 5]),  # the extra layer on rank 2, which keeps 2 micro-batches in flight, not rank 0's 4
+    (8, 1, [3, 3, 3, 3, 3, 3, 4, 2]),  # the layer off the head's stage goes next door, not to rank 0
 ])
 def test_the_reference_model(pp, vpp, expected):
     """24 equal layers and an LM head worth 1.9 of them (benchmarks/gpu/llama_reference.toml)."""

@@ -71,7 +71,8 @@ def human_bytes(n: float) -> str:
 def pipeline_shares(cfg: RunConfig, layer_flops: list[float], total: float) -> str:
     """One line: each pipeline rank's layers and share of the iteration's FLOPs (the last rank
     also runs the LM head, whatever the family counts beyond its layers). The busiest rank sets
-    the step; ``parallel.virtual_stage_layers`` moves layers between ranks."""
+    the step; by default the stages are sized by these counts (``parallel.pipeline_split``),
+    ``parallel.virtual_stage_layers`` sizes them by hand."""
     p = cfg.parallel
     if len(layer_flops) != cfg.model.num_layers:
         raise MtlError(f"model family '{cfg.model.family}': layer_flops_per_iteration gave {len(layer_flops)} "

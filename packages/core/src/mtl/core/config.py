@@ -134,13 +134,16 @@ class ParallelConfig:
     # (at pp = 2, vpp = 2: rank 0's first chunk, rank 1's first, rank 0's second, rank 1's second).
     # Balances the stages: the last also runs the LM head and loss, so [7, 6, 6, 5] for 24 layers
     # gives rank 0 13 layers and rank 1 11 plus the head. Megatron's --pipeline-model-parallel-layout
-    # with only the layer counts. Unset: the layers split evenly (or by first/last_stage_layers).
+    # with only the layer counts. Unset: as pipeline_split decides (derived there under "flops").
     virtual_stage_layers: list | None = None
-    # How pp > 1 sizes the stages when virtual_stage_layers is unset. "even": the same number of
-    # layers each (or first/last_stage_layers). "flops": virtual_stage_layers is derived from the
-    # model family's FLOPs per layer and for the LM head (mtl.core.stage_balance), so that no rank
-    # carries the head on top of an equal share; the resolved config (--dry-run) shows the split.
-    pipeline_split: str = "even"
+    # How pp > 1 sizes the stages. "even": the same number of layers each, unless
+    # first/last_stage_layers or virtual_stage_layers give the counts. "flops": virtual_stage_layers
+    # is derived from the model family's FLOPs per layer and for the LM head (mtl.core.stage_balance),
+    # so that no rank carries the head on top of an equal share; --dry-run shows the split. On
+    # 2 H200s (reference model, benchmarks/RESULTS.md, seventeenth session) pp=2: 90% of one GPU per
+    # GPU against 85% even; with vpp=2 92-93% against 88-91%.
+    # Unset (derived): "flops" where the family counts FLOPs per layer and no counts are given, else "even".
+    pipeline_split: str | None = None
     world_size: int | None = None  # derived: from torch.distributed at resolve time
     dp: int | None = None  # derived: world_size // (tp * pp * cp)
 
@@ -365,6 +368,8 @@ def _resolve_parallel(p: ParallelConfig, world_size: int, m: ModelConfig) -> Non
             f"model.seq_length = {m.seq_length} must be divisible by tp*cp = {p.tp * p.cp} "
             "for sequence parallelism"
         )
+    if p.pipeline_split is None:
+        p.pipeline_split = _default_pipeline_split(p, m)
     if p.pipeline_split == "flops" and p.virtual_stage_layers is None:
         _check_flops_split(m.num_layers, p)  # the split itself needs the resolved model: resolve's end
     else:
@@ -384,8 +389,8 @@ def pipeline_layer_split(num_layers: int, p: ParallelConfig) -> list[int]:
         if num_layers % stages:
             raise ConfigError(
                 f"model.num_layers = {num_layers} is not divisible by pp*vpp = {p.pp}*{p.vpp} = "
-                f"{stages}; change num_layers or set parallel.virtual_stage_layers (or, at vpp = 1, "
-                "parallel.first_stage_layers/last_stage_layers)"
+                f"{stages}; change num_layers, set parallel.pipeline_split = 'flops', or give the counts in "
+                "parallel.virtual_stage_layers (or, at vpp = 1, parallel.first_stage_layers/last_stage_layers)"
             )
         return [num_layers // stages] * stages
     if p.vpp > 1:
@@ -430,6 +435,26 @@ def _explicit_layer_split(num_layers: int, p: ParallelConfig) -> list[int]:
     return list(counts)
 
 
+def _default_pipeline_split(p: ParallelConfig, m: ModelConfig) -> str:
+    """``parallel.pipeline_split`` unset: by FLOPs at pp > 1 where the model family counts them and
+    no layer counts are given (the split users run fastest, by measurement); else even."""
+    given = p.virtual_stage_layers is not None or p.first_stage_layers is not None or p.last_stage_layers is not None
+    if p.pp == 1 or given or m.num_layers < p.pp * p.vpp:
+        return "even"  # (too few layers: the even split's check names the problem)
+    return "flops" if _family_counting_layer_flops(m.family) is not None else "even"
+
+
+def _family_counting_layer_flops(name: str):
+    """The registered model family ``name`` if it gives its FLOPs in all and per layer, else None."""
+    from mtl.core.plugins import registry  # noqa: PLC0415 (plugins imports the hookspecs, not config)
+
+    families = registry("model family")
+    family = families.get(name) if name in families else None
+    if family is None or family.flops_per_iteration is None or family.layer_flops_per_iteration is None:
+        return None
+    return family
+
+
 def _check_flops_split(num_layers: int, p: ParallelConfig) -> None:
     """What ``parallel.pipeline_split = "flops"`` can be checked for before the model is resolved."""
     if p.first_stage_layers is not None or p.last_stage_layers is not None:
@@ -444,15 +469,13 @@ def _resolve_flops_split(cfg: "RunConfig") -> None:
     """``parallel.pipeline_split = "flops"``: derive ``virtual_stage_layers`` from the model family's
     FLOP counts (``mtl.core.stage_balance``). A split already given must be the one derived (a
     resolved config resolves again to itself)."""
-    from mtl.core.plugins import registry  # noqa: PLC0415 (plugins imports the hookspecs, not config)
     from mtl.core.stage_balance import balance_stage_layers  # noqa: PLC0415 (only this option needs it)
 
     m, p = cfg.model, cfg.parallel
     if p.pipeline_split != "flops" or p.pp == 1:
         return  # at pp = 1 one stage holds every layer: nothing to balance
-    families = registry("model family")
-    family = families.get(m.family) if m.family in families else None
-    if family is None or family.flops_per_iteration is None or family.layer_flops_per_iteration is None:
+    family = _family_counting_layer_flops(m.family)
+    if family is None:
         raise ConfigError(f"parallel.pipeline_split = 'flops' needs the FLOPs of each layer of model family "
                           f"'{m.family}' (its flops_per_iteration and layer_flops_per_iteration), which it does not "
                           "give here; set parallel.virtual_stage_layers by hand, or pipeline_split = 'even'")

@@ -148,7 +148,8 @@ class ModelFamily:
       TFLOP/s and MFU and ``--dry-run`` use it, and omit them for a family without one.
     - ``layer_flops_per_iteration(config) -> list[float]`` (optional): each transformer layer's
       part of ``flops_per_iteration``, in layer order (the rest is the LM head's); ``--dry-run``
-      shows each pipeline rank's share with it.
+      shows each pipeline rank's share with it, and with both the pipeline stages are sized by
+      FLOPs (``parallel.pipeline_split``).
     - ``activation_bytes_per_layer(config) -> float`` (optional): activation memory of one
       layer for one micro-batch on one rank, for ``--dry-run``'s memory estimate.
     - ``converters``: maps a format name ("hf") to an object with

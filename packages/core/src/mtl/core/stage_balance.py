@@ -18,8 +18,10 @@ def balance_stage_layers(layer_costs: list[float], head_cost: float, pp: int, vp
     balance the ranks' work: the LM head's ``head_cost`` falls on the last virtual stage.
 
     What is lowered, in this order of importance: the busiest rank's work (it sets the
-    steady-state step), the largest virtual stage's (it sets the pipeline's fill and drain), and
-    the spread of the ranks' work. A local search, from three starting splits (equal layer
+    steady-state step), the largest virtual stage's (it sets the pipeline's fill and drain), the
+    spread of the ranks' work, and the activations kept in all (each rank's layers times the
+    ``pp - rank`` micro-batches 1F1B keeps in flight on it: of two splits otherwise equal, the
+    one with the extra layer on a later stage, not on the first, which keeps the most). A local search, from three starting splits (equal layer
     counts, equal cost, the split with the smallest largest stage), moves one stage boundary at
     a time by as many layers as pays best; the best end point wins, the first on ties, so the
     result is deterministic. With layers of equal cost it finds the best split (the tests
@@ -36,18 +38,21 @@ def balance_stage_layers(layer_costs: list[float], head_cost: float, pp: int, vp
     def stage_work(start: int, end: int, last: bool) -> float:
         return prefix[end] - prefix[start] + (head_cost if last else 0.0)
 
-    def score(counts: list[int]) -> tuple[float, float, float]:
+    def score(counts: list[int]) -> tuple[float, float, float, int]:
         ranks = [0.0] * pp
+        layers = [0] * pp
         largest = 0.0
         start = 0
         for v, count in enumerate(counts):
             work = stage_work(start, start + count, v == stages - 1)
             ranks[v % pp] += work
+            layers[v % pp] += count
             largest = max(largest, work)
             start += count
-        return max(ranks), largest, sum(r * r for r in ranks)
+        kept = sum(count * (pp - rank) for rank, count in enumerate(layers))
+        return max(ranks), largest, sum(r * r for r in ranks), kept
 
-    def improve(split: list[int]) -> tuple[tuple[float, float, float], list[int]]:
+    def improve(split: list[int]) -> tuple[tuple[float, float, float, int], list[int]]:
         best = score(split)
         while True:
             move = None

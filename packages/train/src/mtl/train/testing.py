@@ -32,10 +32,10 @@ TINY = [
 LAYOUTS = {
     "tp2": (2, ["parallel.tp=2"]),
     "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
-    "pp2": (2, ["parallel.pp=2"]),
+    "pp2": (2, ["parallel.pp=2", "parallel.pipeline_split='even'"]),  # 2 + 2 (by FLOPs, the default: 3 + 1)
     "pp2_vpp2": (2, ["parallel.pp=2", "parallel.vpp=2"]),
-    # stages sized by FLOPs: the LM head (1.04 layers' work here) takes a layer off its stage,
-    # the 4 layers as 3 + 1 (parallel.virtual_stage_layers gives the same split by hand)
+    # stages sized by FLOPs (the default, said here so that it stays tested if that changes): the
+    # LM head (1.04 layers' work here) takes a layer off its stage, the 4 layers as 3 + 1
     "pp2_flops": (2, ["parallel.pp=2", "parallel.pipeline_split='flops'"]),
     "dp2": (2, []),
     "dp2_distopt": (2, ["parallel.distributed_optimizer=true"]),
