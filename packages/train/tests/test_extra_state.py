@@ -128,10 +128,10 @@ def straight_and_resumed_histories(ckpt: str) -> dict:
 
 
 def test_each_pipeline_stage_resumes_its_own(tmp_path):
-    # two stages hold different modules (4 norms; 4 + the final norm): rows of different
-    # lengths, padded to the longest after the save's all-reduce
+    # two stages hold different modules (the 4 layers as 3 + 1 by FLOPs: 6 norms; 2 + the final
+    # norm): rows of different lengths, padded to the longest after the save's all-reduce
     results = run_distributed(straight_and_resumed_histories, 2, args=(str(tmp_path / "ckpt"),))
-    assert [len(r["straight"]) for r in results] == [4, 5]
+    assert [len(r["straight"]) for r in results] == [6, 3]
     for r in results:
         assert r["resumed"].keys() == r["straight"].keys()
         for name, history in r["straight"].items():
