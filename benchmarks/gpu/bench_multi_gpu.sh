@@ -99,7 +99,7 @@ if [ "$SHORT" = 1 ]; then
     # token (0.634 s against 0.600 s for 8 of 4, fourteenth session); vpp=2 halves the bubble instead
     run pp2_mb2 2 --set parallel.pp=2 --set train.micro_batch_size=2
     # interleaved: by FLOPs 7, 6, 6, 5 layers (92-93%; 88-91% for an even 6 each, seventeenth session),
-    # and vpp=4 halves the bubble again (4, 3, 3, 3, 3, 3, 3, 2: 95%)
+    # and vpp=4 halves the bubble again (4, 3, 3, 3, 3, 3, 3, 2: 92-95%)
     run pp2_vpp2 2 --set parallel.pp=2 --set parallel.vpp=2
     run pp2_vpp2_even 2 --set parallel.pp=2 --set parallel.vpp=2 --set parallel.pipeline_split=even
     run pp2_vpp4 2 --set parallel.pp=2 --set parallel.vpp=4
