@@ -67,7 +67,8 @@ def test_gelu_ffn_is_4h():
     "overrides,world,message",
     [
         (["parallel.tp=3"], 3, "must divide model.num_attention_heads"),
-        (["parallel.pp=3"], 3, "num_layers = 2 is not divisible by pp\\*vpp"),
+        (["parallel.pp=3", "parallel.pipeline_split='even'"], 3, "num_layers = 2 is not divisible by pp\\*vpp"),
+        (["parallel.pp=3", "parallel.pipeline_split='flops'"], 3, "num_layers = 2 cannot fill pp\\*vpp = 3\\*1 = 3"),
         (["parallel.tp=2"], 3, "world size 3 is not divisible by tp\\*pp\\*cp"),
         (["train.global_batch_size=6"], 4, "global_batch_size = 6 is not divisible"),
         (["parallel.vpp=2"], 1, "vpp = 2 needs parallel.pp > 1"),

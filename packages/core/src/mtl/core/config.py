@@ -439,8 +439,8 @@ def _default_pipeline_split(p: ParallelConfig, m: ModelConfig) -> str:
     """``parallel.pipeline_split`` unset: by FLOPs at pp > 1 where the model family counts them and
     no layer counts are given (the split users run fastest, by measurement); else even."""
     given = p.virtual_stage_layers is not None or p.first_stage_layers is not None or p.last_stage_layers is not None
-    if p.pp == 1 or given or m.num_layers < p.pp * p.vpp:
-        return "even"  # (too few layers: the even split's check names the problem)
+    if p.pp == 1 or given:
+        return "even"
     return "flops" if _family_counting_layer_flops(m.family) is not None else "even"
 
 

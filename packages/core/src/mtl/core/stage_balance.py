@@ -2,7 +2,7 @@
 
 A pipeline step runs at the pace of its busiest rank. With the layers split evenly the last
 rank also runs the LM head and the loss (about two layers' work for a 50k vocabulary at hidden
-2048), so it sets the step while the others wait. Here the stage boundaries move until no
+2048), so it sets the step while the others wait. Here layers move between stages until no
 single move makes the busiest rank less busy.
 
 The costs are the model family's FLOP counts per layer and for the head; the embedding lookup
@@ -21,11 +21,14 @@ def balance_stage_layers(layer_costs: list[float], head_cost: float, pp: int, vp
     steady-state step), the largest virtual stage's (it sets the pipeline's fill and drain), the
     spread of the ranks' work, and the activations kept in all (each rank's layers times the
     ``pp - rank`` micro-batches 1F1B keeps in flight on it: of two splits otherwise equal, the
-    one with the extra layer on a later stage, not on the first, which keeps the most). A local search, from three starting splits (equal layer
-    counts, equal cost, the split with the smallest largest stage), moves one stage boundary at
-    a time by as many layers as pays best; the best end point wins, the first on ties, so the
-    result is deterministic. With layers of equal cost it finds the best split (the tests
-    compare it with every split of small models); with mixed costs it may stop at a local best.
+    one with the extra layer on a later stage, not on the first, which keeps the most).
+
+    A local search from three starting splits (equal layer counts, equal cost, the split with
+    the smallest largest stage) moves layers from one stage to another, the stages between
+    shifting along the model, while a move lowers the score; the best end point wins, the first
+    on ties, so the result is deterministic. With layers of equal cost it finds the best split,
+    and at vpp = 1 with any costs (the tests compare it with every split of small models); with
+    mixed costs at vpp > 1 it may stop at a local best.
     """
     stages = pp * vpp
     num_layers = len(layer_costs)
