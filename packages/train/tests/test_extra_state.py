@@ -114,6 +114,13 @@ def test_another_layout_is_named():
     assert _extra_state_layout_change({**saved, "world_size": 4}, cfg, topology) == "world size 4 -> 2"
     same = {"world_size": 2, "config": {"parallel": {"tp": 2, "pp": 1, "vpp": 1, "cp": 1, "ep": 1}}}
     assert _extra_state_layout_change(same, cfg, topology) == ""
+    piped = load_config(None, [*BASE, "parallel.pp=2"]).resolve(world_size=2, tokenizer_vocab_size=257)
+    assert piped.parallel.virtual_stage_layers == [3, 1]  # by FLOPs, the default
+    layout = {"tp": 1, "pp": 2, "vpp": 1, "cp": 1, "ep": 1}
+    even = {"world_size": 2, "config": {"parallel": layout}}  # saved before the split by FLOPs existed
+    assert _extra_state_layout_change(even, piped, topology) == "layers per pipeline stage [2, 2] -> [3, 1]"
+    by_hand = {"world_size": 2, "config": {"parallel": {**layout, "first_stage_layers": 3}}}
+    assert _extra_state_layout_change(by_hand, piped, topology) == ""
 
 
 def straight_and_resumed_histories(ckpt: str) -> dict:
@@ -125,6 +132,25 @@ def straight_and_resumed_histories(ckpt: str) -> dict:
     train(load_config(None, [*run, f"ckpt.save='{ckpt}'", "train.exit_interval=2"]), progress=False)
     resumed = histories(train(load_config(None, [*run, f"ckpt.load='{ckpt}'"]), progress=False))
     return {"straight": straight, "resumed": resumed}
+
+
+def restaged_histories(ckpt: str) -> dict:
+    """On each rank of a spawned run: the histories after 2 steps at stages of 2 + 2 layers, then
+    a resume for 1 step at the default split by FLOPs, 3 + 1."""
+    backend = HistoryBackend()
+    plugins.register_plugin(backend, name="history-backend")
+    run = [*BASE, "model.backend='history'", "parallel.pp=2", f"ckpt.save='{ckpt}'"]
+    train(load_config(None, [*run, "train.iters=2", "parallel.pipeline_split='even'"]), progress=False)
+    return histories(train(load_config(None, [*run, "train.iters=3"]), progress=False))
+
+
+def test_restaged_pipeline_starts_the_extra_state_afresh(tmp_path):
+    """Rank 1's first norms were layer 2's and are now layer 3's: the same names in its chunk.
+    The extra state starts afresh rather than give a module another layer's history."""
+    results = run_distributed(restaged_histories, 2, args=(str(tmp_path / "ckpt"),))
+    assert [len(r) for r in results] == [6, 3]
+    # one step (4 micro-batches) recorded since the resume, nothing before it
+    assert all(h[3] > 0 and h[4] == 0 for r in results for h in r.values())
 
 
 def test_each_pipeline_stage_resumes_its_own(tmp_path):

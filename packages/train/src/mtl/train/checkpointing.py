@@ -27,7 +27,7 @@ from mtl.ckpt import latest_iteration, read_metadata
 from mtl.ckpt.directory import LATEST_FILE, committed_iterations
 from mtl.ckpt.flat_range import flat_range_shards
 from mtl.ckpt.sharded import ShardedTensor
-from mtl.core.config import RunConfig
+from mtl.core.config import ParallelConfig, RunConfig, pipeline_layer_split
 from mtl.core.config_io import config_diff, config_from_dict
 from mtl.core.errors import CheckpointError
 from mtl.core.log import get_logger
@@ -49,6 +49,8 @@ LAYOUT_DERIVED = ("model.padded_vocab_size", "model.make_vocab_size_divisible_by
 RNG_LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "ep", "distributed_optimizer")
 # What places a module on a rank: its per-rank extra state is restored only where these match.
 EXTRA_STATE_LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "ep")
+# the saved keys that sized the pipeline stages (resolved: a split by FLOPs is saved as its counts)
+STAGE_SIZE_KEYS = ("first_stage_layers", "last_stage_layers", "virtual_stage_layers")
 # The data a run trains on: a ckpt.save directory holding another value belongs to another run.
 RUN_DATA_KEYS = ("data.paths", "data.split", "data.tokenizer", "data.tokenizer_model", "data.dataset",
                  "data.mock_num_samples")
@@ -388,12 +390,20 @@ def load_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimiz
 
 def _extra_state_layout_change(metadata: dict, config: RunConfig, topology: Topology) -> str:
     """What differs from the saved layout for modules' extra state, which is per rank and
-    opaque ("" where nothing does): the world size or a split of the model."""
+    opaque ("" where nothing does): the world size, a split of the model, or which layers each
+    pipeline stage holds (a chunk's modules are named by their place in it, so the same names
+    would be other layers)."""
     if metadata.get("world_size") != topology.world_size:
         return f"world size {metadata.get('world_size')} -> {topology.world_size}"
     saved = metadata["config"]["parallel"]
     changed = [f"parallel.{k} {saved.get(k)} -> {getattr(config.parallel, k)}" for k in EXTRA_STATE_LAYOUT_KEYS
                if saved.get(k) != getattr(config.parallel, k)]
+    if not changed:
+        num_layers, p = config.model.num_layers, config.parallel
+        stages = ParallelConfig(pp=p.pp, vpp=p.vpp, **{k: saved.get(k) for k in STAGE_SIZE_KEYS})
+        saved_split, split = pipeline_layer_split(num_layers, stages), pipeline_layer_split(num_layers, p)
+        if saved_split != split:
+            changed.append(f"layers per pipeline stage {saved_split} -> {split}")
     return ", ".join(changed)
 
 
