@@ -36,13 +36,22 @@ def config(*overrides):
 
 
 def test_memory_splits_weights_over_tp_pp_and_adam_over_dp_with_the_distributed_optimizer():
-    cfg = config("parallel.tp=2", "parallel.pp=2", "train.precision='bf16'", "parallel.distributed_optimizer=true")
+    cfg = config("parallel.tp=2", "parallel.pp=2", "train.precision='bf16'", "parallel.distributed_optimizer=true",
+                 "parallel.pipeline_split='even'")
     mem = memory_per_gpu_bytes(cfg, 4_000_000, activation_bytes_per_layer=1000.0)
     assert mem["weights"] == 1_000_000 * 6  # fp32 master + bf16 copy of a quarter of the model
     assert mem["grads"] == 1_000_000 * 4
     assert mem["optimizer"] == 1_000_000 * 8  # dp = 1 here: nothing to shard over
     assert mem["activations"] == 1000.0 * (8 / 2) * 2  # layers on a stage x micro-batches in flight
     assert mem["total"] == sum(v for k, v in mem.items() if k != "total")
+
+
+def test_activations_follow_the_pipeline_split():
+    """Rank r keeps up to pp - r micro-batches in flight: 8 layers as 3 + 5 keep 3 x 2 on rank 0
+    and 5 x 1 on rank 1; as 5 + 3, 5 x 2 on rank 0."""
+    for split, kept in (("[3, 5]", 6), ("[5, 3]", 10)):
+        cfg = config("parallel.pp=2", f"parallel.virtual_stage_layers={split}")
+        assert memory_per_gpu_bytes(cfg, 4_000_000, activation_bytes_per_layer=1000.0)["activations"] == 1000.0 * kept
 
 
 def test_memory_without_an_activation_formula_leaves_activations_out():

@@ -482,7 +482,8 @@ def _resolve_flops_split(cfg: "RunConfig") -> None:
     layer_costs = family.layer_flops_per_iteration(cfg)
     if len(layer_costs) != m.num_layers:
         raise ConfigError(f"model family '{m.family}': layer_flops_per_iteration gave {len(layer_costs)} counts for "
-                          f"model.num_layers = {m.num_layers}; it must give one per layer")
+                          f"model.num_layers = {m.num_layers}; it must give one per layer (until it does, "
+                          "parallel.pipeline_split = 'even' splits the stages without them)")
     head_cost = family.flops_per_iteration(cfg) - sum(layer_costs)
     derived = balance_stage_layers(layer_costs, head_cost, p.pp, p.vpp)
     if p.virtual_stage_layers is not None and list(p.virtual_stage_layers) != derived:

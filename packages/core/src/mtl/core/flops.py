@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from mtl.core.config import RunConfig
+from mtl.core.config import RunConfig, pipeline_layer_split
 
 
 def parameter_counts(model: nn.Module) -> dict[str, int]:
@@ -36,8 +36,8 @@ def memory_per_gpu_bytes(cfg: RunConfig, num_parameters: int, activation_bytes_p
     optimizer) of ``num_parameters`` (the whole model's) split over tp x pp, of which the
     ``num_expert_parameters`` (``param.expert_split_dim``) are also split over ep and their Adam
     state sharded over the dp / ep ranks holding the same experts; and the activations of one
-    micro-batch per in-flight pipeline stage (``activation_bytes_per_layer`` from the family;
-    left out when it has none)."""
+    micro-batch per in-flight pipeline stage on the rank that keeps the most (``activation_bytes_per_layer``
+    from the family; left out when it has none)."""
     p, t = cfg.parallel, cfg.train
     dense = (num_parameters - num_expert_parameters) / (p.tp * p.pp)
     experts = num_expert_parameters / (p.tp * p.pp * p.ep)
@@ -47,8 +47,10 @@ def memory_per_gpu_bytes(cfg: RunConfig, num_parameters: int, activation_bytes_p
     adam = (dense * 8 / p.dp + experts * 8 / (p.dp // p.ep)) if p.distributed_optimizer else params * 8
     out = {"weights": bytes_weights, "grads": bytes_grads, "optimizer": adam}
     if activation_bytes_per_layer is not None:
-        layers_here = cfg.model.num_layers / p.pp
-        in_flight = p.pp  # 1F1B keeps up to pp micro-batches alive on the first stage
-        out["activations"] = activation_bytes_per_layer * layers_here * in_flight
+        layers = [0] * p.pp  # each pipeline rank's, from the split the trainer builds
+        for stage, count in enumerate(pipeline_layer_split(cfg.model.num_layers, p)):
+            layers[stage % p.pp] += count
+        # 1F1B keeps up to pp - r micro-batches alive on rank r: the busiest holds the most
+        out["activations"] = activation_bytes_per_layer * max(n * (p.pp - r) for r, n in enumerate(layers))
     out["total"] = sum(out.values())
     return out

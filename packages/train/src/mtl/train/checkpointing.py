@@ -365,6 +365,10 @@ def load_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimiz
         template.update(optimizer_load_template(optimizer, topology, chunks, names=(MAIN_PARAM,)))
     if same_rng:
         template.update(rng_sharded_state(topology))
+    restaged = _stage_split_change(metadata, config)
+    if restaged:  # e.g. an even split saved, stages sized by FLOPs now
+        log.info("%s since the save (parallel.pipeline_split, virtual_stage_layers): the weights and optimizer "
+                 "state reshard", restaged)
     extra_bytes = metadata.get(extra_state.METADATA_KEY, 0)
     extra_layout = _extra_state_layout_change(metadata, config, topology)
     if extra_bytes and not extra_layout:
@@ -398,13 +402,19 @@ def _extra_state_layout_change(metadata: dict, config: RunConfig, topology: Topo
     saved = metadata["config"]["parallel"]
     changed = [f"parallel.{k} {saved.get(k)} -> {getattr(config.parallel, k)}" for k in EXTRA_STATE_LAYOUT_KEYS
                if saved.get(k) != getattr(config.parallel, k)]
-    if not changed:
-        num_layers, p = config.model.num_layers, config.parallel
-        stages = ParallelConfig(pp=p.pp, vpp=p.vpp, **{k: saved.get(k) for k in STAGE_SIZE_KEYS})
-        saved_split, split = pipeline_layer_split(num_layers, stages), pipeline_layer_split(num_layers, p)
-        if saved_split != split:
-            changed.append(f"layers per pipeline stage {saved_split} -> {split}")
-    return ", ".join(changed)
+    return ", ".join(changed) or _stage_split_change(metadata, config)
+
+
+def _stage_split_change(metadata: dict, config: RunConfig) -> str:
+    """Where pp and vpp are the saved ones but the stages hold other layers, that change (e.g.
+    'layers per pipeline stage [12, 12] -> [13, 11]'); "" where not."""
+    saved, p = metadata["config"]["parallel"], config.parallel
+    if (saved.get("pp"), saved.get("vpp")) != (p.pp, p.vpp):
+        return ""
+    num_layers = config.model.num_layers
+    stages = ParallelConfig(pp=p.pp, vpp=p.vpp, **{k: saved.get(k) for k in STAGE_SIZE_KEYS})
+    saved_split, split = pipeline_layer_split(num_layers, stages), pipeline_layer_split(num_layers, p)
+    return f"layers per pipeline stage {saved_split} -> {split}" if saved_split != split else ""
 
 
 def _restore_extra_state(chunks: list, loaded: ShardedTensor | None, saved_bytes: int, layout_change: str) -> None:
