@@ -127,6 +127,16 @@ def test_torchrun_hand_split_interleaved_pipeline_trains_like_one_process(tmp_pa
     assert_same_losses(single, split)
 
 
+def test_torchrun_pipeline_split_by_flops_trains_like_one_process(tmp_path):
+    """The default split at pp=2 sizes the stages by FLOPs: 5 layers, which do not split evenly
+    (the even split refuses them), run as 3 + 2 under two torchrun processes and log one
+    process's losses."""
+    config = write_config(tmp_path, iters=3)
+    single, _ = cli_losses(tmp_path, config, [str(BIN / "python")], "model.num_layers=5")
+    split, _ = cli_losses(tmp_path, config, TWO_PROCESSES, "model.num_layers=5", "parallel.pp=2")
+    assert_same_losses(single, split)
+
+
 def test_sigterm_saves_the_current_step_and_resume_continues(tmp_path):
     config = write_config(tmp_path, iters=100_000)
     logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"

@@ -18,8 +18,9 @@ SAVE_LAYOUTS = {"tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
                 "dp2_distopt": (2, ["parallel.distributed_optimizer=true"])}
 RESUME_LAYOUTS = {"single": (1, []), "tp2": (2, ["parallel.tp=2"]), "pp2": (2, ["parallel.pp=2"]),
                   "dp2_distopt": (2, ["parallel.distributed_optimizer=true"]),
-                  # the pipeline rebalanced on resume: 3 layers and 1 where the checkpoint had 2 and 2
-                  "pp2_rebalanced": (2, ["parallel.pp=2", "parallel.virtual_stage_layers=[3, 1]"])}
+                  # the pipeline rebalanced on resume: 2 layers and 2 where the checkpoint had 3 and 1
+                  # (tp2_pp2 saves with the default split by FLOPs; test_the_save_is_split_by_flops)
+                  "pp2_rebalanced": (2, ["parallel.pp=2", "parallel.virtual_stage_layers=[2, 2]"])}
 
 
 def run(overrides: list[str]) -> dict:
@@ -54,6 +55,13 @@ def saved(tmp_path_factory):
         first = launch(world, [*overrides, f"ckpt.save='{dirs[name]}'", "train.exit_interval=10"])
         assert first["final_iteration"] == 10
     return dirs
+
+
+def test_the_save_is_split_by_flops():
+    """``pp2_rebalanced`` resumes at another split only if tp2_pp2 saved with 3 + 1 layers."""
+    world, overrides = SAVE_LAYOUTS["tp2_pp2"]
+    cfg = load_config(None, [*BASE, *overrides]).resolve(world_size=world, tokenizer_vocab_size=257)
+    assert cfg.parallel.virtual_stage_layers == [3, 1]
 
 
 @pytest.mark.parametrize("source, target", [

@@ -10,9 +10,8 @@ import os
 
 import torch
 
-from mtl.core.config import RunConfig, pipeline_layer_split
+from mtl.core.config import RunConfig, layer_and_head_flops, pipeline_rank_layers
 from mtl.core.config_io import format_config
-from mtl.core.errors import MtlError
 from mtl.core.flops import memory_per_gpu_bytes, parameter_counts
 from mtl.core.model_protocol import build_model
 from mtl.core.plugins import registry
@@ -68,24 +67,17 @@ def human_bytes(n: float) -> str:
             return f"{n:.2f} {unit}"
 
 
-def pipeline_shares(cfg: RunConfig, layer_flops: list[float], total: float) -> str:
+def pipeline_shares(cfg: RunConfig, layer_flops: list[float], head_flops: float) -> str:
     """One line: each pipeline rank's layers and share of the iteration's FLOPs (the last rank
     also runs the LM head, whatever the family counts beyond its layers). The busiest rank sets
     the step; by default the stages are sized by these counts (``parallel.pipeline_split``),
     ``parallel.virtual_stage_layers`` sizes them by hand."""
     p = cfg.parallel
-    if len(layer_flops) != cfg.model.num_layers:
-        raise MtlError(f"model family '{cfg.model.family}': layer_flops_per_iteration gave {len(layer_flops)} "
-                       f"counts for model.num_layers = {cfg.model.num_layers}; it must give one per layer")
-    layers, flops = [0] * p.pp, [0.0] * p.pp
-    start = 0
-    for stage, count in enumerate(pipeline_layer_split(cfg.model.num_layers, p)):
-        rank = stage % p.pp  # virtual stage v = chunk * pp + rank
-        layers[rank] += count
-        flops[rank] += sum(layer_flops[start:start + count])
-        start += count
-    flops[-1] += total - sum(layer_flops)
-    shares = [f"rank {r} {100 * f / total:.1f}% ({layers[r]} layer{'s' if layers[r] != 1 else ''}"
+    total = sum(layer_flops) + head_flops
+    held = pipeline_rank_layers(cfg.model.num_layers, p)
+    flops = [sum(layer_flops[i] for i in layers) for layers in held]
+    flops[-1] += head_flops
+    shares = [f"rank {r} {100 * f / total:.1f}% ({len(held[r])} layer{'s' if len(held[r]) != 1 else ''}"
               f"{' + LM head' if r == p.pp - 1 else ''})" for r, f in enumerate(flops)]
     return "pipeline ranks' share of the FLOPs (the busiest sets the step): " + ", ".join(shares)
 
@@ -118,6 +110,7 @@ def dry_run(cfg: RunConfig) -> str:
             (f"world size {p.world_size}: tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp}; "
              f"{cfg.train.num_micro_batches} micro-batches of {cfg.train.micro_batch_size} per step"),
             "estimated memory per GPU: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in memory.items())]
-    if p.pp > 1 and family.flops_per_iteration is not None and family.layer_flops_per_iteration is not None:
-        out.append(pipeline_shares(cfg, family.layer_flops_per_iteration(cfg), flops))
+    counts = layer_and_head_flops(cfg) if p.pp > 1 else None
+    if counts is not None:
+        out.append(pipeline_shares(cfg, *counts))
     return "\n".join(out)

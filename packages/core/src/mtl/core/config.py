@@ -415,6 +415,17 @@ def pipeline_layer_split(num_layers: int, p: ParallelConfig) -> list[int]:
     return split
 
 
+def pipeline_rank_layers(num_layers: int, p: ParallelConfig) -> list[list[int]]:
+    """The global layer indices each pipeline rank holds, from ``pipeline_layer_split`` (virtual
+    stage ``v`` runs on rank ``v % pp``)."""
+    ranks: list[list[int]] = [[] for _ in range(p.pp)]
+    start = 0
+    for stage, count in enumerate(pipeline_layer_split(num_layers, p)):
+        ranks[stage % p.pp].extend(range(start, start + count))
+        start += count
+    return ranks
+
+
 def _explicit_layer_split(num_layers: int, p: ParallelConfig) -> list[int]:
     """``parallel.virtual_stage_layers``, checked against the layout and the model."""
     counts, stages = p.virtual_stage_layers, p.pp * p.vpp
@@ -465,6 +476,21 @@ def _check_flops_split(num_layers: int, p: ParallelConfig) -> None:
                           f"{p.pp * p.vpp} pipeline stages with at least one layer each")
 
 
+def layer_and_head_flops(cfg: "RunConfig") -> tuple[list[float], float] | None:
+    """The resolved config's FLOPs per iteration of each layer and of the rest (the LM head and
+    loss, on the last stage), as the model family counts them; None where it does not."""
+    m = cfg.model
+    family = _family_counting_layer_flops(m.family)
+    if family is None:
+        return None
+    layer_costs = family.layer_flops_per_iteration(cfg)
+    if len(layer_costs) != m.num_layers:
+        raise ConfigError(f"model family '{m.family}': layer_flops_per_iteration gave {len(layer_costs)} counts for "
+                          f"model.num_layers = {m.num_layers}; it must give one per layer (until it does, "
+                          "parallel.pipeline_split = 'even' splits the stages without them)")
+    return layer_costs, family.flops_per_iteration(cfg) - sum(layer_costs)
+
+
 def _resolve_flops_split(cfg: "RunConfig") -> None:
     """``parallel.pipeline_split = "flops"``: derive ``virtual_stage_layers`` from the model family's
     FLOP counts (``mtl.core.stage_balance``). A split already given must be the one derived (a
@@ -474,18 +500,12 @@ def _resolve_flops_split(cfg: "RunConfig") -> None:
     m, p = cfg.model, cfg.parallel
     if p.pipeline_split != "flops" or p.pp == 1:
         return  # at pp = 1 one stage holds every layer: nothing to balance
-    family = _family_counting_layer_flops(m.family)
-    if family is None:
+    counts = layer_and_head_flops(cfg)
+    if counts is None:
         raise ConfigError(f"parallel.pipeline_split = 'flops' needs the FLOPs of each layer of model family "
                           f"'{m.family}' (its flops_per_iteration and layer_flops_per_iteration), which it does not "
                           "give here; set parallel.virtual_stage_layers by hand, or pipeline_split = 'even'")
-    layer_costs = family.layer_flops_per_iteration(cfg)
-    if len(layer_costs) != m.num_layers:
-        raise ConfigError(f"model family '{m.family}': layer_flops_per_iteration gave {len(layer_costs)} counts for "
-                          f"model.num_layers = {m.num_layers}; it must give one per layer (until it does, "
-                          "parallel.pipeline_split = 'even' splits the stages without them)")
-    head_cost = family.flops_per_iteration(cfg) - sum(layer_costs)
-    derived = balance_stage_layers(layer_costs, head_cost, p.pp, p.vpp)
+    derived = balance_stage_layers(*counts, p.pp, p.vpp)
     if p.virtual_stage_layers is not None and list(p.virtual_stage_layers) != derived:
         raise ConfigError(f"parallel.virtual_stage_layers = {p.virtual_stage_layers!r} is not the split "
                           f"parallel.pipeline_split = 'flops' derives ({derived}): unset one of them")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from mtl.core.config import RunConfig, pipeline_layer_split
+from mtl.core.config import RunConfig, pipeline_rank_layers
 
 
 def parameter_counts(model: nn.Module) -> dict[str, int]:
@@ -47,10 +47,8 @@ def memory_per_gpu_bytes(cfg: RunConfig, num_parameters: int, activation_bytes_p
     adam = (dense * 8 / p.dp + experts * 8 / (p.dp // p.ep)) if p.distributed_optimizer else params * 8
     out = {"weights": bytes_weights, "grads": bytes_grads, "optimizer": adam}
     if activation_bytes_per_layer is not None:
-        layers = [0] * p.pp  # each pipeline rank's, from the split the trainer builds
-        for stage, count in enumerate(pipeline_layer_split(cfg.model.num_layers, p)):
-            layers[stage % p.pp] += count
         # 1F1B keeps up to pp - r micro-batches alive on rank r: the busiest holds the most
-        out["activations"] = activation_bytes_per_layer * max(n * (p.pp - r) for r, n in enumerate(layers))
+        ranks = pipeline_rank_layers(cfg.model.num_layers, p)
+        out["activations"] = activation_bytes_per_layer * max(len(held) * (p.pp - r) for r, held in enumerate(ranks))
     out["total"] = sum(out.values())
     return out
