@@ -25,7 +25,7 @@ if [ -n "${DRY:-}" ]; then
   if ! [[ $DRY =~ ^[0-9]+$ ]]; then echo "DRY=N needs the number of GPUs to list the rows for, got '$DRY'" >&2; exit 1; fi
   NGPU=$DRY LINK=0
 else
-  bash benchmarks/gpu/setup.sh
+  bash scripts/gpu/setup.sh
   NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 fi
 if [ "$NGPU" -lt 2 ]; then echo "bench_multi_gpu.sh needs at least 2 GPUs, found $NGPU" >&2; exit 1; fi
@@ -106,7 +106,7 @@ if [ "$SHORT" = 1 ]; then
     run cp2 2 --set parallel.cp=2  # compiled at cp=2 the config picks k/v all-gathered
     run cp2_ring 2 --set parallel.cp=2 --set parallel.cp_comm_type=p2p
     run cp2_mb8 2 --set parallel.cp=2 --set train.micro_batch_size=8  # bound by the host as tp=2 is
-    # FlashAttention-4 behind SDPA, where installed (benchmarks/gpu/fa4_install.sh, carry .whl/fa4): its
+    # FlashAttention-4 behind SDPA, where installed (scripts/gpu/fa4_install.sh, carry .whl/fa4): its
     # Python launches cost ~0.7 ms of host per forward + backward (fa4_host_profile.py), which a
     # host-bound tp=2 rank may not hide
     if [ -n "${DRY:-}" ] || python3 -c "import flash_attn.cute.interface" 2>/dev/null; then

@@ -3,7 +3,7 @@
 # Run from the repository root on the GPU machine: bash benchmarks/gpu/bench_single_gpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-bash benchmarks/gpu/setup.sh
+bash scripts/gpu/setup.sh
 export PYTHONUNBUFFERED=1
 ITERS=${ITERS:-10}
 rm -rf runs/bench_llama runs/bench_gpt2  # metrics.jsonl appends: start from empty logs

@@ -1,6 +1,6 @@
 """mtl beside a plain-PyTorch peer of the same model, in one call, in one table (issue 11).
 
-    bash benchmarks/gpu/setup.sh
+    bash scripts/gpu/setup.sh
     python3 benchmarks/gpu/bench_speed.py --out $OUT/speed.md [--profile mtl-compile]
 
 Rows, each in a fresh Python process (its own peak memory, its own empty torch.compile

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Stage Transformer Engine (PyTorch) on an offline GPU machine, the recipe of shared/GPU.md.
 #
-#   benchmarks/gpu/te_stage.sh download          # here, with network: wheels into .whl/ (ignored)
-#   benchmarks/gpu/te_stage.sh stage PIECE       # GPU machine, one call per piece of the cu13 wheel
-#   benchmarks/gpu/te_stage.sh install [DIR]     # GPU machine, last call: join, verify, install, build
+#   scripts/gpu/te_stage.sh download          # here, with network: wheels into .whl/ (ignored)
+#   scripts/gpu/te_stage.sh stage PIECE       # GPU machine, one call per piece of the cu13 wheel
+#   scripts/gpu/te_stage.sh install [DIR]     # GPU machine, last call: join, verify, install, build
 #
 # TE is three pieces: transformer_engine (pure Python), transformer_engine_cu13 (a 276 MB wheel
 # whose library does not compress: too large for one transfer of at most 64 MiB, so it travels

@@ -1,22 +1,24 @@
-"""On a GPU: does a training step wait on the host anywhere before it is fully queued?
+"""A training step on a GPU never waits on the host before it is fully queued.
 
-    python3 benchmarks/gpu/sync_check.py [--set KEY=VALUE ...]
-
-Runs a small Llama-style model (bf16 weights, fp32 main weights, the trainer's own
-``MicroBatches`` and ``queue_train_step``) for two warm-up steps, then one step under
+A small Llama-style model (bf16 weights, fp32 main weights, the trainer's own ``MicroBatches``
+and ``queue_train_step``) runs two warm-up steps, then one under
 ``torch.cuda.set_sync_debug_mode("warn")``: every synchronising CUDA call (a ``.item()``, a
-pageable copy, ``nonzero``...) inside "take the batches + queue the step" is printed with where
-it came from. Then ``PendingStep.result()``, the one read per step, outside the check. The
-CPU test ``test_step_host_reads.py`` catches Python-level reads only; this catches the rest.
+pageable copy, ``nonzero``...) while taking the batches and queueing the step is recorded with
+where it came from. ``PendingStep.result()``, the one read per step, runs outside the check.
+The CPU test ``test_step_host_reads.py`` catches Python-level reads only; this catches the rest.
+
+    python -m pytest -m gpu tests/gpu/test_host_sync.py
 """
 
 from __future__ import annotations
 
-import argparse
 import traceback
 import warnings
 
+import pytest
 import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 SMALL = ["model.num_layers=2", "model.hidden_size=256", "model.num_attention_heads=4", "model.seq_length=512",
          "model.vocab_size=50304", "model.normalization='rmsnorm'", "model.activation='swiglu'",
@@ -25,17 +27,15 @@ SMALL = ["model.num_layers=2", "model.hidden_size=256", "model.num_attention_hea
          "train.precision='bf16'", "train.device='cuda'", "train.clip_grad=1.0", "logging.callbacks=[]"]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--set", dest="sets", action="append", default=[])
-    args = parser.parse_args()
+def synchronising_calls_while_queueing(overrides: list[str]) -> list[str]:
+    """Each synchronising CUDA call of one step's batches + queueing, with its stack."""
     from mtl.core.config_io import load_config
     from mtl.train.batches import MicroBatches
     from mtl.train.precision import LossScaler
     from mtl.train.setup import setup
     from mtl.train.step import queue_train_step
 
-    run = setup(load_config(None, [*SMALL, *args.sets]))
+    run = setup(load_config(None, [*SMALL, *overrides]))
     cfg, t = run.config, run.config.train
     scaler = LossScaler.for_config(t)
     batches = MicroBatches(run.datasets["train"], cfg, run.topology, run.device, 0)
@@ -47,9 +47,7 @@ def main() -> None:
 
     for _ in range(2):
         queue().result()
-    on_cuda = run.device.type == "cuda"  # on CPU (checking this script) nothing is watched
-    if on_cuda:
-        torch.cuda.synchronize()
+    torch.cuda.synchronize()
     found: list[str] = []
 
     def record(message, category, filename, lineno, file=None, line=None):
@@ -61,21 +59,17 @@ def main() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = record
-        if on_cuda:
-            torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.set_sync_debug_mode("warn")
         try:
             pending = queue()
         finally:
-            if on_cuda:
-                torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.set_sync_debug_mode("default")
     result = pending.result()
-    device = torch.cuda.get_device_name(0) if on_cuda else "cpu (nothing watched)"
-    print(f"torch {torch.__version__}, {device}; step loss {result.loss:.4f}, "
-          f"grad norm {result.grad_norm:.4f}")
-    print(f"synchronising CUDA calls while taking the batches and queueing the step: {len(found)}")
-    for i, text in enumerate(found[:10], 1):
-        print(f"--- {i}: {text}")
+    assert torch.isfinite(torch.tensor(result.loss)), f"the checked step's loss is {result.loss}"
+    return found
 
 
-if __name__ == "__main__":
-    main()
+def test_no_synchronising_call_while_a_step_is_queued():
+    """At the GPU defaults (``train.compile`` on)."""
+    found = synchronising_calls_while_queueing([])
+    assert not found, f"{len(found)} synchronising CUDA call(s):\n" + "\n---\n".join(found[:10])
