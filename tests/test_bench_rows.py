@@ -45,7 +45,7 @@ def test_the_script_lists_the_scaling_rows():
 
 def test_the_pipeline_rows_run_the_measured_splits(monkeypatch):
     """By default (stages sized by FLOPs) the reference model's pipeline rows run the splits
-    measured in the seventeenth session (RESULTS.md; the vpp ones first given by hand as
+    measured in the seventeenth session (benchmarks/log; the vpp ones first given by hand as
     ``parallel.virtual_stage_layers``), and the even rows the even split."""
     monkeypatch.chdir(ROOT)
     expected = {"pp2": "[13, 11]", "pp2_vpp2": "[7, 6, 6, 5]", "pp2_vpp4": "[4, 3, 3, 3, 3, 3, 3, 2]",

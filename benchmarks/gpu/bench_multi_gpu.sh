@@ -57,11 +57,11 @@ if [ "$SHORT" = 1 ]; then
   else
     run dp2 2
     run tp2_sp 2 --set parallel.tp=2 --set parallel.sequence_parallel=true
-    # a tp=2 rank is bound by its host (RESULTS.md, thirteenth session: 683-888 ms per step for
+    # a tp=2 rank is bound by its host (benchmarks/log, thirteenth session: 683-888 ms per step for
     # ~500 ms of kernels); micro-batches of 8 (the same global batch, 20 GiB at 4) halve its launches
     run tp2_sp_mb8 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.micro_batch_size=8
     # at micro-batch 8 the rank waits on its collectives more than on its host (82%, MFU 58% against 71% on
-    # one GPU; async TP and the C++ wrapper changed nothing there, RESULTS.md, fifteenth session): the
+    # one GPU; async TP and the C++ wrapper changed nothing there, benchmarks/log, fifteenth session): the
     # backward's reduce-scatters beside the weight-gradient GEMMs, and 2 micro-batches of 16 (44 GiB: 84%)
     run tp2_sp_mb8_overlap 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.micro_batch_size=8 \
       --set parallel.overlap_layer_comm=true
@@ -75,7 +75,7 @@ if [ "$SHORT" = 1 ]; then
     run tp2_sp_overlap 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set parallel.overlap_layer_comm=true
     # inductor's C++ wrapper launches the layer's kernels (train.compile_cpp_wrapper): a tp=2
     # rank alone on one H100 is bound by the Python wrapper's launches; with it, 0.548 against
-    # 0.571-0.694 s on the same machine (RESULTS.md, eleventh session). Its first step compiles the
+    # 0.571-0.694 s on the same machine (benchmarks/log, eleventh session). Its first step compiles the
     # C++ for about 70 s more (110 s in all were not enough on 2026-11-26): 120 s more than the other rows
     RUN_TIMEOUT=$(( ${RUN_TIMEOUT:-240} + 120 )) \
       run tp2_sp_cppwrap 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.compile_cpp_wrapper=true
@@ -88,7 +88,7 @@ if [ "$SHORT" = 1 ]; then
     run tp2_sp_mb8_async 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set parallel.async_tp=true \
       --set train.micro_batch_size=8
     # each rank's process kept on the CPUs of its GPU's NUMA node: the tp=2 step varied 0.7-0.95 s from run to run
-    # on one machine (RESULTS.md, fourteenth session) for ~0.5 s of kernels
+    # on one machine (benchmarks/log, fourteenth session) for ~0.5 s of kernels
     TORCHRUN_ARGS="--numa-binding node" run tp2_sp_numa 2 --set parallel.tp=2 --set parallel.sequence_parallel=true
     # the last stage also runs the LM head and loss (~1.9 layers' FLOPs at vocab 50304): by default the
     # stages are sized by FLOPs (parallel.pipeline_split), 13 layers and 11 + the head: 90% against 85%
@@ -107,7 +107,7 @@ if [ "$SHORT" = 1 ]; then
     run cp2_ring 2 --set parallel.cp=2 --set parallel.cp_comm_type=p2p
     run cp2_mb8 2 --set parallel.cp=2 --set train.micro_batch_size=8  # bound by the host as tp=2 is
     # FlashAttention-4 behind SDPA, where installed (scripts/gpu/fa4_install.sh, carry .whl/fa4): its
-    # Python launches cost ~0.7 ms of host per forward + backward (fa4_host_profile.py), which a
+    # Python launches cost ~0.7 ms of host per forward + backward (benchmarks/log, ninth session), which a
     # host-bound tp=2 rank may not hide
     if [ -n "${DRY:-}" ] || python3 -c "import flash_attn.cute.interface" 2>/dev/null; then
       run gpu1_fa4 1 --set "train.attention_kernel='fa4'"

@@ -8,7 +8,7 @@ same GPT-2 byte-level BPE (vocab.json + merges.txt trained here with `tokenizers
 nothing can be downloaded), appending an end-of-document token, with the same worker count.
 Each run is a fresh process timed end to end (imports included: that is what a user waits
 for). The outputs must be byte-identical; the table and the environment are printed and
-appended to benchmarks/RESULTS.md.
+written to benchmarks/log/<date>-cpu-preprocessing.md (``--results``).
 
 Megatron's script is not in the megatron-core wheel: fetch tools/preprocess_data.py from
 NVIDIA/Megatron-LM yourself; run_megatron_preprocess.py (beside this file) supplies the two
@@ -101,7 +101,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--work-dir", default="/tmp/mtl_bench_preprocess")
-    parser.add_argument("--results", default=os.path.join(REPO, "benchmarks", "RESULTS.md"))
+    parser.add_argument("--results", default=os.path.join(
+        REPO, "benchmarks", "log", f"{time.strftime('%Y-%m-%d')}-cpu-preprocessing.md"))
     args = parser.parse_args()
 
     os.makedirs(args.work_dir, exist_ok=True)
