@@ -4,14 +4,16 @@ of test_parallel_equivalence, the MoE expert-parallel layouts of test_expert_par
 layouts only GPUs run (``GPU_LAYOUTS``: async TP).
 
 Each layout starts its own processes and NCCL communicators (``run_distributed``), so pytest
-itself runs as one plain process, on a machine with 2 or with 4 GPUs; layouts that need more
-GPUs than are visible are skipped:
+itself runs as one plain process (no torchrun), on a machine with 2 or with 4 GPUs; layouts that
+need more GPUs than are visible are skipped. After ``bash scripts/gpu/setup.sh`` (the plugins
+register through the installed packages' entry points):
 
-    python -m pytest -m gpu tests/gpu/test_equivalence_nccl.py
-    python -m pytest -m gpu tests/gpu/test_equivalence_nccl.py -k "pp2 or moe_ep2"   # only some layouts
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+        python3 -m pytest -m gpu tests/gpu/test_equivalence_nccl.py
+    python3 -m pytest -m gpu tests/gpu/test_equivalence_nccl.py -k "pp2 or moe_ep2"   # only some layouts
 
-A layout takes ~10-20 s on an H200 pair, so a call with little device time left names the
-layouts its change touches with ``-k``.
+On an H200 pair the 11 two-GPU layouts took 6.6 minutes (the two references ~35 s each, a
+layout 15-40 s), so a call with little device time left names the layouts its change touches.
 """
 
 import pytest
