@@ -42,6 +42,11 @@ def test_ckpt_inspect_lists_keys_with_shapes(mtl, ok, trained_ckpt):
     assert out.startswith("{")
     meta = json.loads(out[: out.index("\n}\n") + 2])
     assert meta["iteration"] == 2 and meta["consumed_samples"] == 8
+    # the resolved model section: the config's values and what was derived from them
+    model = meta["model"]
+    assert (model["num_layers"], model["hidden_size"], model["seq_length"], model["position_embedding"]) == \
+        (2, 32, 16, "learned")
+    assert model["vocab_size"] == 257
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("model.", "optimizer."))}
     # the byte tokenizer's 257 rows: the padding to 384 is not stored
     assert "(257, 32)" in rows["model.embedding.word_embeddings.weight"]
