@@ -23,20 +23,24 @@ def train(config, overrides, fresh, dry_run):
 
     When ckpt.save already holds this run's checkpoints, the run resumes from the latest one
     (so the same command continues a stopped run, and torchrun --max-restarts restarts a
-    failed one). Ctrl-C (SIGINT) or SIGTERM stops after the current step and saves; a second
-    Ctrl-C aborts at once."""
+    failed one). Ctrl-C (SIGINT) or SIGTERM stops after the current step and saves, then exits
+    130 or 143 (128 + the signal's number); a second Ctrl-C aborts at once (exit 1)."""
     cfg = load_config(config, [*overrides, *(["ckpt.resume=false"] if fresh else [])])
     if dry_run:
         from mtl.cli.dry_run import dry_run as show
 
         click.echo(show(cfg))
         return
+    from mtl.cli.signal_exit import StopSignals, stopped_exit_code
     from mtl.train.loop import train as run_training
 
-    result = run_training(cfg)
+    with StopSignals() as signals:
+        result = run_training(cfg)
     _close_process_group()
     if result.stopped_by != "iters":
         click.echo(f"stopped at iteration {result.final_iteration} ({result.stopped_by})")
+    if result.stopped_by == "signal":
+        click.get_current_context().exit(stopped_exit_code(signals.first()))
 
 
 def _close_process_group() -> None:
