@@ -82,7 +82,13 @@ def pipeline_shares(cfg: RunConfig, layer_flops: list[float], head_flops: float)
     return "pipeline ranks' share of the FLOPs (the busiest sets the step): " + ", ".join(shares)
 
 
+def runs_on_cpu(cfg: RunConfig) -> bool:
+    return cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available())
+
+
 def dry_run(cfg: RunConfig) -> str:
+    """The summary first (model, parameters, FLOPs, layout, memory), then the module tree and
+    the parameters per component, then the resolved config (the longest part) last."""
     world_size = int(os.environ.get("WORLD_SIZE", cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp))
     tokenizer = registry("tokenizer").get(cfg.data.tokenizer).build(cfg.data.tokenizer_model)
     cfg = cfg.resolve(world_size=world_size, tokenizer_vocab_size=tokenizer.vocab_size)
@@ -96,21 +102,24 @@ def dry_run(cfg: RunConfig) -> str:
     activations = family.activation_bytes_per_layer(cfg) if family.activation_bytes_per_layer else None
     experts = sum(q.numel() for q in model.parameters() if is_expert_param(q))
     memory = memory_per_gpu_bytes(cfg, counts["total"], activations, num_expert_parameters=experts)
-    out = ["# resolved config", format_config(cfg), f"# model (whole model, one process; family '{family.name}')"]
-    out += module_tree(model)
-    out += ["", "# parameters per component"]
-    out += [f"{name:>14}: {value:,}" for name, value in counts.items()]
     if family.flops_per_iteration is not None:
         flops = family.flops_per_iteration(cfg)
         flops_line = f"FLOPs per iteration: {flops:.4e} ({flops / 1e12:.2f} TFLOP, Megatron's count)"
     else:
         flops_line = f"FLOPs per iteration: not counted (model family '{family.name}' gives no flops_per_iteration)"
-    out += ["", flops_line,
-            f"parameters: {counts['total']:,}",
-            (f"world size {p.world_size}: tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp}; "
-             f"{cfg.train.num_micro_batches} micro-batches of {cfg.train.micro_batch_size} per step"),
-            "estimated memory per GPU: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in memory.items())]
-    counts = layer_and_head_flops(cfg) if p.pp > 1 else None
-    if counts is not None:
-        out.append(pipeline_shares(cfg, *counts))
+    per = "process" if runs_on_cpu(cfg) else "GPU"  # a CPU run's memory is each process's
+    out = ["# summary",
+           f"model: {type(model).__name__} of family '{family.name}', backend '{backend.name}', "
+           f"{cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, sequence {cfg.model.seq_length}",
+           f"parameters: {counts['total']:,}",
+           flops_line,
+           (f"world size {p.world_size}: tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp}; "
+            f"{cfg.train.num_micro_batches} micro-batches of {cfg.train.micro_batch_size} per step"),
+           f"estimated memory per {per}: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in memory.items())]
+    shares = layer_and_head_flops(cfg) if p.pp > 1 else None
+    if shares is not None:
+        out.append(pipeline_shares(cfg, *shares))
+    out += ["", f"# model (whole model, one process; family '{family.name}')", *module_tree(model)]
+    out += ["", "# parameters per component", *(f"{name:>14}: {value:,}" for name, value in counts.items())]
+    out += ["", "# resolved config", format_config(cfg)]
     return "\n".join(out)

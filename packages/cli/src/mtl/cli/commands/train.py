@@ -17,7 +17,8 @@ CONFIG_REFERENCE = "docs/config.md"
 @click.option("--fresh", is_flag=True,
               help="Start over instead of resuming from ckpt.save (ckpt.resume = false); only into an empty "
                    "ckpt.save directory.")
-@click.option("--dry-run", is_flag=True, help="Print the resolved config, model tree, FLOPs and memory; exit.")
+@click.option("--dry-run", is_flag=True, help="Print a summary (model, parameters, FLOPs, layout, memory), the model tree and the "
+                   "resolved config; exit.")
 def train(config, overrides, fresh, dry_run):
     """Train a model described by the TOML file CONFIG (under torchrun for several processes).
 
