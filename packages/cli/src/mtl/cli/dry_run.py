@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from mtl.cli.launch import resolve_at
 from mtl.core.config import RunConfig, layer_and_head_flops, pipeline_rank_layers
 from mtl.core.config_io import format_config
 from mtl.core.flops import memory_per_gpu_bytes, parameter_counts
@@ -17,7 +18,6 @@ from mtl.core.model_protocol import build_model
 from mtl.core.plugins import registry
 from mtl.parallel.ddp.reduce_group import is_expert_param
 from mtl.parallel.topology import Topology
-from mtl.train.validate import check_training_settings
 
 
 def module_tree(module: torch.nn.Module, max_depth: int = 3) -> list[str]:
@@ -86,13 +86,14 @@ def runs_on_cpu(cfg: RunConfig) -> bool:
     return cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available())
 
 
-def dry_run(cfg: RunConfig) -> str:
+def dry_run(cfg: RunConfig, world_size: int | None = None) -> str:
     """The summary first (model, parameters, FLOPs, layout, memory), then the module tree and
-    the parameters per component, then the resolved config (the longest part) last."""
-    world_size = int(os.environ.get("WORLD_SIZE", cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp))
-    tokenizer = registry("tokenizer").get(cfg.data.tokenizer).build(cfg.data.tokenizer_model)
-    cfg = cfg.resolve(world_size=world_size, tokenizer_vocab_size=tokenizer.vocab_size)
-    check_training_settings(cfg)  # the optimizer's and checkpoint schedule's, as training checks them
+    the parameters per component, then the resolved config (the longest part) last.
+    ``world_size``: that of ``--nproc-per-node``, else torchrun's, else the smallest the
+    layout needs."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp))
+    cfg = resolve_at(cfg, world_size)  # the optimizer's and checkpoint schedule's checks included
     backend = registry("backend").get(cfg.model.backend)
     family = registry("model family").get(cfg.model.family)
     with torch.device("meta"):  # shapes only: no memory, no initialisation cost
