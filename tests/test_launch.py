@@ -1,6 +1,6 @@
-"""The launch paths users run: `torchrun -m mtl.cli train` with several processes, and a
-preempted run (SIGTERM) that saves where it stopped and resumes from there. Real processes,
-tiny model, CPU."""
+"""The launch paths users run: `torchrun -m mtl.cli train` and `mtl train --nproc-per-node N`
+with several processes, and a preempted run (SIGTERM) that saves where it stopped, exits 143
+and resumes from there. Real processes, tiny model, CPU."""
 
 import json
 import os
@@ -152,7 +152,7 @@ def test_sigterm_saves_the_current_step_and_resume_continues(tmp_path):
         output, _ = proc.communicate(timeout=300)
     finally:
         proc.kill()
-    assert proc.returncode == 0, output[-3000:]
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]  # 143: stopped by SIGTERM, saved
     stopped_at = read_metrics(logs)[-1]["step"]
     assert stopped_at >= 3
     assert int((ckpt / "latest").read_text()) == stopped_at
@@ -175,3 +175,92 @@ def test_invalid_layout_under_torchrun_fails_fast_with_the_arithmetic(tmp_path):
     output = proc.stdout + proc.stderr
     assert "world size 2 is not divisible by tp*pp*cp = 3*1*1 = 3" in output, output[-3000:]
     assert time.monotonic() - start < 120
+
+
+MTL = [str(BIN / "python"), "-m", "mtl.cli"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def test_launcher_refuses_a_config_error_in_one_line_and_starts_nothing(tmp_path):
+    """A deterministic config error is found once, before any process starts: one line, exit
+    2, never restarted (with --max-restarts 3, torchrun would run it four times)."""
+    config = write_config(tmp_path, iters=2)
+    for sets, needle in ((["model.hiden_size=3"], "--set: unknown key model.hiden_size (did you mean 'hidden_size'?)"),
+                         (["parallel.tp=4"], "world size 2 is not divisible by tp*pp*cp = 4*1*1 = 4")):
+        start = time.monotonic()
+        proc = subprocess.run([*MTL, "train", str(config), "--nproc-per-node", "2", "--max-restarts", "3",
+                               *[arg for item in sets for arg in ("--set", item)]],
+                              capture_output=True, text=True, timeout=120, env=ENV)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 2, output
+        lines = output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], output
+        assert time.monotonic() - start < 60
+
+
+def test_launcher_trains_at_two_processes_and_logs_a_shared_warning_once(tmp_path):
+    """``mtl train --nproc-per-node 2`` trains under torchrun (gloo); a resume with a changed
+    setting, which every rank warns about, prints that warning once; --fresh into the run's own
+    directory is refused in the parent."""
+    config = write_config(tmp_path, iters=2)
+    logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
+    base = [*MTL, "train", str(config), "--nproc-per-node", "2", "--max-restarts", "1",
+            "--set", f"logging.dir='{logs}'", "--set", f"ckpt.save='{ckpt}'"]
+    first = subprocess.run([*base, "--fresh"], capture_output=True, text=True, timeout=600, env=ENV)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(logs)] == [1, 2] and (ckpt / "latest").read_text().strip() == "2"
+    assert "dp 0/2" in first.stderr  # two data-parallel ranks
+    again = subprocess.run([*base, "--fresh"], capture_output=True, text=True, timeout=120, env=ENV)
+    assert again.returncode == 2 and "already holds checkpoints" in again.stderr, again.stderr[-3000:]
+    assert len((again.stdout + again.stderr).strip().splitlines()) == 1
+    resumed = subprocess.run([*base, "--set", "train.iters=3", "--set", "train.weight_decay=0.05"],
+                             capture_output=True, text=True, timeout=600, env=ENV)
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-3000:]
+    assert output.count("with a changed setting: train.weight_decay: 0.1 -> 0.05") == 1, output[-3000:]
+    assert output.count("resuming at iteration 2") == 1
+    assert (ckpt / "latest").read_text().strip() == "3"
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            found += [int(c) for c in (task / "children").read_text().split()]
+    except OSError:  # gone meanwhile
+        pass
+    return found
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((int(item[5:]) for item in env if item.startswith(b"RANK=")), None)
+
+
+def test_launcher_passes_max_restarts_to_torchrun(tmp_path):
+    """A rank SIGKILLed mid-run: torchrun (which the launcher became) restarts the job, which
+    resumes from its last checkpoint and finishes."""
+    config = write_config(tmp_path, iters=12)
+    logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
+    cmd = [*MTL, "train", str(config), "--nproc-per-node", "2", "--max-restarts", "1",
+           "--set", f"logging.dir='{logs}'", "--set", f"ckpt.save='{ckpt}'", "--set", "ckpt.interval=4",
+           "--set", "logging.progress='none'"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        deadline = time.monotonic() + 300
+        while not read_metrics(logs) or read_metrics(logs)[-1]["step"] < 5:
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "training did not reach step 5"
+            time.sleep(0.02)
+        victims = [pid for pid in _children(proc.pid) if _rank_of(pid) == 1]
+        assert victims, "no rank 1 among the launcher's children"
+        os.kill(victims[0], signal.SIGKILL)
+        output, _ = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    assert (ckpt / "latest").read_text().strip() == "12"
+    assert "resuming at iteration 4" in output or "resuming at iteration 8" in output, output[-3000:]

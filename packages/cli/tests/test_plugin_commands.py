@@ -52,3 +52,17 @@ def test_plugin_commands_go_away_with_the_plugin(mtl, ok):
     unregister_plugin(plugin)
     result = mtl("hello")
     assert result.exit_code == 2 and "No such command 'hello'" in result.output
+
+
+def test_top_level_help_does_not_import_torch():
+    """``mtl --help`` lists the built-in commands without loading the plugins (which import
+    torch: seconds); a plugin command is found when it is invoked."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom mtl.cli.main import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+             "print('torch imported' if 'torch' in sys.modules else 'torch not imported')")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "train" in result.stdout and "plugins" in result.stdout
+    assert result.stdout.strip().endswith("torch not imported"), result.stdout

@@ -55,3 +55,15 @@ def test_version_and_help(mtl, ok):
     out = ok(mtl("--help"))
     for command in ("train", "preprocess", "generate", "convert", "plugins", "ckpt", "demo"):
         assert re.search(rf"^\s+{command}\s", out, re.MULTILINE), command
+
+
+def test_preprocess_refuses_an_existing_prefix_unless_overwrite(mtl, ok, clean_error, workdir, jsonl):
+    jsonl(workdir / "a.jsonl", ["first corpus"])
+    jsonl(workdir / "b.jsonl", ["the second corpus"])
+    ok(mtl("preprocess", "--input", "a.jsonl", "--output-prefix", "out/P"))
+    out = clean_error(mtl("preprocess", "--input", "b.jsonl", "--output-prefix", "out/P"),
+                      "out/P.bin", "out/P.idx", "--overwrite")
+    assert len(out.strip().splitlines()) == 1
+    assert IndexedDataset(str(workdir / "out" / "P"))[0].tolist() == list(b"first corpus")
+    ok(mtl("preprocess", "--input", "b.jsonl", "--output-prefix", "out/P", "--overwrite"))
+    assert IndexedDataset(str(workdir / "out" / "P"))[0].tolist() == list(b"the second corpus")

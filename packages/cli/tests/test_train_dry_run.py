@@ -1,4 +1,5 @@
-"""``mtl train --dry-run``: resolved config, module tree with parameter counts, FLOPs, memory."""
+"""``mtl train --dry-run``: a summary (model, parameters, FLOPs, layout, memory) first, then the
+module tree with parameter counts, then the resolved config."""
 
 import re
 
@@ -42,7 +43,8 @@ def test_dry_run_shows_config_tree_flops_and_memory_and_trains_nothing(mtl, ok, 
     assert f"2 x TransformerLayer, {LAYER:,} each" in out
     assert re.search(r"output_layer \(\w+\): [\d,]+ \(shared", out)  # tied: not counted twice
     components = dict(re.findall(r"^\s*(\w+): ([\d,]+)$",
-                                 out.split("# parameters per component")[1].split("FLOPs")[0], re.MULTILINE))
+                                 out.split("# parameters per component")[1].split("# resolved config")[0],
+                                 re.MULTILINE))
     assert int(components["total"].replace(",", "")) == TOTAL
     assert sum(int(v.replace(",", "")) for k, v in components.items() if k != "total") == TOTAL
     assert f"parameters: {TOTAL:,}" in out.splitlines()
@@ -50,13 +52,32 @@ def test_dry_run_shows_config_tree_flops_and_memory_and_trains_nothing(mtl, ok, 
     cfg = load_config(tiny_toml).resolve(world_size=1, tokenizer_vocab_size=257)
     assert f"FLOPs per iteration: {flops_per_iteration(cfg):.4e}" in out
     assert "world size 1: tp 1 x pp 1 x cp 1 x dp 1; 2 micro-batches of 2 per step" in out
-    memory = re.search(r"estimated memory per GPU: weights (.+?), grads .*total (\d+\.\d+ \w+)$", out, re.MULTILINE)
+    # a CPU run: each process's memory (there is no GPU)
+    memory = re.search(r"estimated memory per process: weights (.+?), grads .*total (\d+\.\d+ \w+)$", out,
+                       re.MULTILINE)
     assert memory, out
     assert memory.group(1) == f"{TOTAL * 4 / 1024:.2f} KiB"  # fp32 weights: 4 bytes each
-    assert "None" not in out.split("# parameters per component")[1]
+    assert "None" not in out.split("# resolved config")[0]
     # nothing ran: no checkpoint, no logs
     assert not (workdir / "ckpt").exists() and not (workdir / "logs").exists()
     assert "step " not in out and "| loss" not in out
+
+
+def test_dry_run_leads_with_the_summary_and_ends_with_the_config(mtl, ok, tiny_toml):
+    out = ok(mtl("train", tiny_toml, "--dry-run"))
+    lines = out.splitlines()
+    assert lines[0] == "# summary"
+    assert lines[1].startswith("model: GPTModel of family 'gpt', backend 'local', 2 layers, hidden 32")
+    summary = out.split("\n\n")[0]
+    for head in (f"parameters: {TOTAL:,}", "FLOPs per iteration: ", "world size 1: ", "estimated memory per process: "):
+        assert head in summary, head
+    sections = [line for line in lines if line.startswith("# ") and " = " not in line]  # not a config comment
+    assert sections == ["# summary", "# model (whole model, one process; family 'gpt')", "# parameters per component",
+                        "# resolved config"]
+    assert lines[-1] in out.split("# resolved config")[1] and "[logging]" in out.split("# resolved config")[1]
+    # a CUDA run's estimate is per GPU
+    cuda = ok(mtl("train", tiny_toml, "--dry-run", "--set", "train.device='cuda'"))
+    assert "estimated memory per GPU: " in cuda and "per process" not in cuda
 
 
 def test_flops_scale_with_the_global_batch(mtl, ok, tiny_toml):
@@ -172,7 +193,7 @@ def test_a_family_without_a_flop_count_still_dry_runs(mtl, ok, clean_error, tiny
         unregister_plugin(plugin)
     assert "FLOPs per iteration: not counted (model family 'gpt_uncounted' gives no flops_per_iteration)" in out
     assert f"parameters: {TOTAL:,}" in out.splitlines()
-    assert "activations" not in out.split("estimated memory per GPU:")[1]
+    assert "activations" not in out.split("estimated memory per process:")[1].splitlines()[0]
     register_plugin(plugin)
     try:
         result = mtl("train", tiny_toml, "--dry-run", "--set", "model.family='gpt_uncounted'", "--set", "parallel.pp=2",

@@ -42,6 +42,11 @@ def test_ckpt_inspect_lists_keys_with_shapes(mtl, ok, trained_ckpt):
     assert out.startswith("{")
     meta = json.loads(out[: out.index("\n}\n") + 2])
     assert meta["iteration"] == 2 and meta["consumed_samples"] == 8
+    # the resolved model section: the config's values and what was derived from them
+    model = meta["model"]
+    assert (model["num_layers"], model["hidden_size"], model["seq_length"], model["position_embedding"]) == \
+        (2, 32, 16, "learned")
+    assert model["vocab_size"] == 257
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("model.", "optimizer."))}
     # the byte tokenizer's 257 rows: the padding to 384 is not stored
     assert "(257, 32)" in rows["model.embedding.word_embeddings.weight"]
@@ -83,3 +88,18 @@ def _numel(row: str) -> int:
     for d in re.search(r"\(([\d, ]*)\)", row).group(1).replace(",", " ").split():
         n *= int(d)
     return n
+
+
+def test_a_tokenizer_that_cannot_cover_the_vocabulary_is_refused_before_generating(mtl, ok, clean_error, tiny_toml,
+                                                                                   monkeypatch):
+    # a 1000-token model on mock data; the byte tokenizer (257) cannot decode ids 257..999
+    ok(mtl("train", tiny_toml, "--set", "model.vocab_size=1000", "--set", "train.iters=1"))
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("generation ran before the tokenizer was checked")
+
+    monkeypatch.setattr("mtl.cli.text_generation.generate", no_generation)
+    for extra in ((), ("--tokenizer", "byte")):
+        out = clean_error(mtl("generate", "ckpt", "--prompt", "Hello", *extra),
+                          "vocabulary has 1000 tokens", "tokenizer 'byte' has 257", "--tokenizer NAME")
+        assert len(out.strip().splitlines()) == 1, out

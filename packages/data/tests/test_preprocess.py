@@ -84,3 +84,16 @@ def test_missing_input_and_tokenizer_model(tmp_path):
     source.write_text('{"text": "x"}\n')
     with pytest.raises(DataError, match="set data.tokenizer_model"):
         preprocess(str(source), str(tmp_path / "out"), "gpt2-bpe")
+
+
+def test_an_existing_output_is_refused_before_tokenizing_unless_overwrite(tmp_path):
+    source = tmp_path / "c.jsonl"
+    source.write_text('{"text": "first"}\n', encoding="utf-8")
+    preprocess(str(source), str(tmp_path / "out"), "byte", progress=False)
+    before = (tmp_path / "out.bin").read_bytes()
+    source.write_text('{"text": "second corpus"}\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"out\.bin, .*out\.idx: pass --overwrite"):
+        preprocess(str(source), str(tmp_path / "out"), "byte", progress=False, overwrite=False)
+    assert (tmp_path / "out.bin").read_bytes() == before
+    stats = preprocess(str(source), str(tmp_path / "out"), "byte", progress=False, overwrite=True)
+    assert stats.tokens == len("second corpus") and (tmp_path / "out.bin").read_bytes() != before

@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from mtl.cli.launch import resolve_at
 from mtl.core.config import RunConfig, layer_and_head_flops, pipeline_rank_layers
 from mtl.core.config_io import format_config
 from mtl.core.flops import memory_per_gpu_bytes, parameter_counts
@@ -17,7 +18,6 @@ from mtl.core.model_protocol import build_model
 from mtl.core.plugins import registry
 from mtl.parallel.ddp.reduce_group import is_expert_param
 from mtl.parallel.topology import Topology
-from mtl.train.validate import check_training_settings
 
 
 def module_tree(module: torch.nn.Module, max_depth: int = 3) -> list[str]:
@@ -82,11 +82,18 @@ def pipeline_shares(cfg: RunConfig, layer_flops: list[float], head_flops: float)
     return "pipeline ranks' share of the FLOPs (the busiest sets the step): " + ", ".join(shares)
 
 
-def dry_run(cfg: RunConfig) -> str:
-    world_size = int(os.environ.get("WORLD_SIZE", cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp))
-    tokenizer = registry("tokenizer").get(cfg.data.tokenizer).build(cfg.data.tokenizer_model)
-    cfg = cfg.resolve(world_size=world_size, tokenizer_vocab_size=tokenizer.vocab_size)
-    check_training_settings(cfg)  # the optimizer's and checkpoint schedule's, as training checks them
+def runs_on_cpu(cfg: RunConfig) -> bool:
+    return cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available())
+
+
+def dry_run(cfg: RunConfig, world_size: int | None = None) -> str:
+    """The summary first (model, parameters, FLOPs, layout, memory), then the module tree and
+    the parameters per component, then the resolved config (the longest part) last.
+    ``world_size``: that of ``--nproc-per-node``, else torchrun's, else the smallest the
+    layout needs."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp))
+    cfg = resolve_at(cfg, world_size)  # the optimizer's and checkpoint schedule's checks included
     backend = registry("backend").get(cfg.model.backend)
     family = registry("model family").get(cfg.model.family)
     with torch.device("meta"):  # shapes only: no memory, no initialisation cost
@@ -96,21 +103,24 @@ def dry_run(cfg: RunConfig) -> str:
     activations = family.activation_bytes_per_layer(cfg) if family.activation_bytes_per_layer else None
     experts = sum(q.numel() for q in model.parameters() if is_expert_param(q))
     memory = memory_per_gpu_bytes(cfg, counts["total"], activations, num_expert_parameters=experts)
-    out = ["# resolved config", format_config(cfg), f"# model (whole model, one process; family '{family.name}')"]
-    out += module_tree(model)
-    out += ["", "# parameters per component"]
-    out += [f"{name:>14}: {value:,}" for name, value in counts.items()]
     if family.flops_per_iteration is not None:
         flops = family.flops_per_iteration(cfg)
         flops_line = f"FLOPs per iteration: {flops:.4e} ({flops / 1e12:.2f} TFLOP, Megatron's count)"
     else:
         flops_line = f"FLOPs per iteration: not counted (model family '{family.name}' gives no flops_per_iteration)"
-    out += ["", flops_line,
-            f"parameters: {counts['total']:,}",
-            (f"world size {p.world_size}: tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp}; "
-             f"{cfg.train.num_micro_batches} micro-batches of {cfg.train.micro_batch_size} per step"),
-            "estimated memory per GPU: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in memory.items())]
-    counts = layer_and_head_flops(cfg) if p.pp > 1 else None
-    if counts is not None:
-        out.append(pipeline_shares(cfg, *counts))
+    per = "process" if runs_on_cpu(cfg) else "GPU"  # a CPU run's memory is each process's
+    out = ["# summary",
+           f"model: {type(model).__name__} of family '{family.name}', backend '{backend.name}', "
+           f"{cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, sequence {cfg.model.seq_length}",
+           f"parameters: {counts['total']:,}",
+           flops_line,
+           (f"world size {p.world_size}: tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp}; "
+            f"{cfg.train.num_micro_batches} micro-batches of {cfg.train.micro_batch_size} per step"),
+           f"estimated memory per {per}: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in memory.items())]
+    shares = layer_and_head_flops(cfg) if p.pp > 1 else None
+    if shares is not None:
+        out.append(pipeline_shares(cfg, *shares))
+    out += ["", f"# model (whole model, one process; family '{family.name}')", *module_tree(model)]
+    out += ["", "# parameters per component", *(f"{name:>14}: {value:,}" for name, value in counts.items())]
+    out += ["", "# resolved config", format_config(cfg)]
     return "\n".join(out)

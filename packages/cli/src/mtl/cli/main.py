@@ -28,7 +28,12 @@ class MtlCommandError(click.ClickException):
 class MtlGroup(click.Group):
     """Adds plugin commands lazily, so a broken plugin cannot break ``mtl --help``'s built-ins,
     and turns :class:`MtlError` into a one-line message (a traceback only with ``--debug``),
-    whether ``mtl`` runs as a script or is invoked in-process (``click.testing.CliRunner``)."""
+    whether ``mtl`` runs as a script or is invoked in-process (``click.testing.CliRunner``).
+
+    Loading the plugins imports every installed family and backend, and with them torch
+    (seconds), so ``mtl --help`` lists plugin commands only when the plugins are loaded
+    already; a name that is not built in loads them to look it up, and ``mtl plugins`` lists
+    every plugin command."""
 
     def invoke(self, ctx):
         try:
@@ -47,7 +52,10 @@ class MtlGroup(click.Group):
             return {}
 
     def list_commands(self, ctx):
-        return sorted(set(super().list_commands(ctx)) | set(self._plugin_commands()))
+        from mtl.core import plugins
+
+        loaded = plugins._manager is not None  # noqa: SLF001 (whether listing them costs an import of torch)
+        return sorted(set(super().list_commands(ctx)) | (set(self._plugin_commands()) if loaded else set()))
 
     def get_command(self, ctx, name):
         return super().get_command(ctx, name) or self._plugin_commands().get(name)
@@ -58,7 +66,9 @@ class MtlGroup(click.Group):
 @click.version_option(package_name="mtl-cli")
 @click.pass_context
 def cli(ctx, debug):
-    """mtl: large-scale transformer training."""
+    """mtl: large-scale transformer training.
+
+    Installed plugins may add commands: `mtl plugins` lists them (as "cli command")."""
     ctx.obj = {"debug": debug}
 
 

@@ -46,6 +46,17 @@ def continuation_text(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> s
     return tokenizer.decode(list(new_ids))
 
 
+def check_tokenizer_covers_model(tokenizer, tokenizer_name: str, model_vocab_size: int) -> None:
+    """Refuse, before generating, a tokenizer that cannot decode every id the model may sample
+    (otherwise the run ends in the tokenizer's decode, after the whole generation)."""
+    if tokenizer.vocab_size >= model_vocab_size:
+        return
+    raise ConfigError(
+        f"the model's vocabulary has {model_vocab_size} tokens but tokenizer '{tokenizer_name}' has "
+        f"{tokenizer.vocab_size}, so it cannot decode what the model generates; pass the tokenizer the model "
+        f"was trained with: --tokenizer NAME --tokenizer-model PATH (at least {model_vocab_size} tokens)")
+
+
 _ITERATION_DIR = re.compile(r"^iter_(\d{7,})$")
 
 
@@ -71,8 +82,9 @@ def generate_from_checkpoint(checkpoint: str, prompt: str, *, max_new_tokens: in
     if tokenizer_model is not None and tokenizer is None:
         raise ConfigError("--tokenizer-model needs --tokenizer NAME (which tokenizer reads the file)")
     dev = parse_device(device)
-    model, tokenizer, _ = load_for_inference(checkpoint, device=dev, tokenizer=tokenizer,
-                                             tokenizer_model=tokenizer_model, iteration=iteration)
+    model, tokenizer, cfg = load_for_inference(checkpoint, device=dev, tokenizer=tokenizer,
+                                               tokenizer_model=tokenizer_model, iteration=iteration)
+    check_tokenizer_covers_model(tokenizer, cfg.data.tokenizer, cfg.model.vocab_size)
     prompt_ids = tokenizer.encode(prompt)
     if not prompt_ids:
         raise ConfigError(f"--prompt {prompt!r} encodes to no tokens; give a non-empty prompt")

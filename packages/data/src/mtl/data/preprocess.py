@@ -120,17 +120,24 @@ def preprocess(
     workers: int = 1,
     append_eod: bool = False,
     progress: bool = True,
+    overwrite: bool = True,
 ) -> PreprocessStats:
     """Tokenize ``input_path`` into ``output_prefix.bin/.idx``.
 
     ``.jsonl``/``.json`` files hold one JSON object per line with the text under
     ``json_key``; any other file is plain text, one document per line. Blank lines are
-    skipped. ``workers`` > 1 tokenizes in that many processes."""
+    skipped. ``workers`` > 1 tokenizes in that many processes. ``overwrite=False`` refuses,
+    before any tokenizing, a prefix whose ``.bin`` or ``.idx`` exists already (``mtl
+    preprocess`` without ``--overwrite``: another corpus's dataset is not replaced by mistake)."""
     input_path = os.fspath(input_path)
     if not os.path.isfile(input_path):
         raise DataError(f"input file {input_path} does not exist")
     if workers < 1:
         raise DataError(f"workers = {workers} must be at least 1")
+    existing = [path for path in data_file_paths(os.fspath(output_prefix)) if os.path.exists(path)]
+    if existing and not overwrite:
+        raise DataError(f"output prefix {output_prefix} already holds {', '.join(existing)}: pass --overwrite "
+                        f"(overwrite=True) to replace it, or choose another --output-prefix")
     spec = registry("tokenizer").get(tokenizer_name)
     tokenizer = spec.build(tokenizer_model)  # fail here, before any worker starts
     dtype = np.dtype(optimal_dtype(tokenizer.vocab_size))

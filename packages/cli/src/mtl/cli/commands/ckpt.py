@@ -1,4 +1,4 @@
-"""``mtl ckpt inspect DIR``: tensors of a checkpoint, read with zarr-python."""
+"""``mtl ckpt inspect DIR``: metadata, model config and tensors of a checkpoint, read with zarr-python."""
 
 from __future__ import annotations
 
@@ -17,12 +17,16 @@ def ckpt():
 @click.argument("directory", type=click.Path())
 @click.option("--iteration", type=int, default=None)
 def inspect(directory, iteration):
-    """Show metadata and per-tensor statistics of a checkpoint (read without tensorstore)."""
+    """Show metadata, the model config and per-tensor statistics of a checkpoint (read
+    without tensorstore)."""
     from mtl.ckpt import read_metadata
     from mtl.ckpt.inspect import inspect_checkpoint
 
     meta = read_metadata(directory, iteration)
-    click.echo(json.dumps({k: meta[k] for k in ("iteration", "consumed_samples", "versions") if k in meta}, indent=1))
+    shown = {k: meta[k] for k in ("iteration", "consumed_samples", "versions") if k in meta}
+    if "model" in meta.get("config", {}):  # the resolved [model] section the checkpoint was saved with
+        shown["model"] = meta["config"]["model"]
+    click.echo(json.dumps(shown, indent=1))
     rows = inspect_checkpoint(directory, iteration)
     width = max([len("key"), *(len(row["key"]) for row in rows)])
     click.echo(f"{'key':<{width}}  {'shape':<16} {'dtype':<9} {'shards':>6} "
