@@ -71,7 +71,7 @@ def test_ctrl_c_saves_the_step_it_stopped_at_and_the_same_command_resumes(tmp_pa
         output, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 0, output[-3000:]
+    assert proc.returncode == 130, output[-3000:]
     stopped_at = read_metrics(logs)[-1]["step"]
     assert f"stopped at iteration {stopped_at} (signal)" in output
     assert "SIGINT: stopping after this step and saving a checkpoint" in output
