@@ -214,3 +214,11 @@ def test_diff_and_format_round_trip(tmp_path):
     text = format_config(b)
     reread = load_config(write(tmp_path, text.replace("resolved", "x")))
     assert config_diff(reread.resolve(1, 257), b) == []
+
+
+def test_ckpt_load_iteration_unset_by_default_and_never_negative():
+    """``ckpt.load_iteration`` picks a committed iteration to resume from; unset means the latest."""
+    assert load_config(None, []).resolve(1, 257).ckpt.load_iteration is None
+    assert load_config(None, ["ckpt.load_iteration=60"]).resolve(1, 257).ckpt.load_iteration == 60
+    with pytest.raises(ConfigError, match=r"ckpt.load_iteration = -1 must not be negative"):
+        load_config(None, ["ckpt.load_iteration=-1"]).resolve(1, 257)

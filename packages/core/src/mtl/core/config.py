@@ -251,6 +251,9 @@ class CkptConfig:
     # --load = --save); false (mtl train --fresh): start over, only into an empty ckpt.save
     resume: bool = True
     interval_minutes: float = 0.0  # also save when this many minutes passed since the last save (0: off)
+    # resume from this committed iteration of ckpt.save instead of the latest (e.g. when the latest
+    # is corrupt); unset: the latest (Megatron's --ckpt-step)
+    load_iteration: int | None = None
 
 
 @dataclass
@@ -311,6 +314,9 @@ class RunConfig:
                 value = getattr(section, f.name)
                 if isinstance(value, int) and not isinstance(value, bool) and value < 0:
                     raise ConfigError(f"{_key(section, f.name)} = {value} must not be negative")
+        if cfg.ckpt.load_iteration is not None and cfg.ckpt.load_iteration < 0:
+            raise ConfigError(f"ckpt.load_iteration = {cfg.ckpt.load_iteration} must not be negative "
+                              "(a committed iteration of ckpt.save; unset it to resume from the latest)")
 
         _resolve_parallel(p, world_size, m)
         _resolve_model(m, p, tokenizer_vocab_size)
