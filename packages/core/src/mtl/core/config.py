@@ -8,7 +8,8 @@ modules receive the resolved config and never re-derive anything. The files:
 - ``config_values``: a section built from a table of values, with its types checked;
 - ``config_derive`` / ``config_checks`` + ``config_feature_checks``: the two passes;
 - ``config_pipeline``: the layers of each pipeline stage;
-- ``config_io``: TOML files, ``--set`` overrides, diffs; ``config_removed``: keys mtl dropped.
+- ``config_io``: TOML files, ``--set`` overrides, diffs; ``config_removed``: keys mtl dropped;
+- ``device_probe``: whether a run uses CUDA, asked of torch where a default depends on it.
 
 The names other packages use are importable from here.
 """

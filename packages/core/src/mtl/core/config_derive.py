@@ -100,7 +100,7 @@ def _derive_train(t: TrainConfig, p: ParallelConfig) -> None:
     if t.params_dtype is None:
         t.params_dtype = t.precision  # low-precision weights, fp32 main weights in the optimizer
     if t.compile is None:
-        # compiled layers are 1.41x faster on the H100 reference model; a CPU run compiles slowly for little
+        # on where the run uses CUDA (1.41x faster on the H100 reference model), off on CPU
         t.compile = runs_on_cuda(t.device)
     per_step = t.micro_batch_size * p.dp
     if t.global_batch_size % per_step:
