@@ -61,26 +61,13 @@ if [ "$SHORT" = 1 ]; then
     # ~500 ms of kernels); micro-batches of 8 (the same global batch, 20 GiB at 4) halve its launches
     run tp2_sp_mb8 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.micro_batch_size=8
     # at micro-batch 8 the rank waits on its collectives more than on its host (82%, MFU 58% against 71% on
-    # one GPU; async TP and the C++ wrapper changed nothing there, benchmarks/log, fifteenth session): the
-    # backward's reduce-scatters beside the weight-gradient GEMMs, and 2 micro-batches of 16 (44 GiB: 84%)
-    run tp2_sp_mb8_overlap 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.micro_batch_size=8 \
-      --set parallel.overlap_layer_comm=true
+    # one GPU; async TP changed nothing there, benchmarks/log, fifteenth session): 2 micro-batches of 16 (44 GiB: 84%)
     run tp2_sp_mb16 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.micro_batch_size=16
     # 84% at 16 (fifteenth session); async TP there 88-89%, the whole batch as one micro-batch 82% (74 GiB, H200
     # only; sixteenth session)
     run tp2_sp_mb16_async 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.micro_batch_size=16 \
       --set parallel.async_tp=true
     run tp2_sp_mb32 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.micro_batch_size=32
-    # the backward's reduce-scatters beside the weight-gradient GEMMs, as written (gathered_linear)
-    run tp2_sp_overlap 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set parallel.overlap_layer_comm=true
-    # inductor's C++ wrapper launches the layer's kernels (train.compile_cpp_wrapper): a tp=2
-    # rank alone on one H100 is bound by the Python wrapper's launches; with it, 0.548 against
-    # 0.571-0.694 s on the same machine (benchmarks/log, eleventh session). Its first step compiles the
-    # C++ for about 70 s more (110 s in all were not enough on 2026-11-26): 120 s more than the other rows
-    RUN_TIMEOUT=$(( ${RUN_TIMEOUT:-240} + 120 )) \
-      run tp2_sp_cppwrap 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.compile_cpp_wrapper=true
-    RUN_TIMEOUT=$(( ${RUN_TIMEOUT:-240} + 120 )) run tp2_sp_cppwrap_mb8 2 --set parallel.tp=2 \
-      --set parallel.sequence_parallel=true --set train.compile_cpp_wrapper=true --set train.micro_batch_size=8
     # torch's async TP (parallel.async_tp): each sequence-parallel all-gather + matmul and matmul + reduce-scatter as
     # one op that overlaps the transfer with the matmul's pieces; its ops add host work to a host-bound rank
     # (micro-batch 4: 35%; 8: 81%, as without; sixteenth session)
@@ -121,8 +108,6 @@ LONG_SET=(--set model.seq_length=8192 --set train.micro_batch_size=1 --set train
 if [ "$LONG" = 1 ]; then
   run long_gpu1 1 "${LONG_SET[@]}"
   run long_cp2 2 "${LONG_SET[@]}" --set parallel.cp=2  # k/v all-gathered: compiles with the layer
-  # the gather beside the own block's attention
-  run long_cp2_overlap 2 "${LONG_SET[@]}" --set parallel.cp=2 --set parallel.overlap_layer_comm=true
   # the ring (point-to-point, overlapped, eager between the layer's graphs)
   run long_cp2_ring 2 "${LONG_SET[@]}" --set parallel.cp=2 --set parallel.cp_comm_type=p2p
 fi

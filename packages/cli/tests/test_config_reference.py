@@ -12,12 +12,12 @@ DOC = Path(__file__).resolve().parents[3] / "docs" / "config.md"
 
 def test_docs_config_md_matches_the_dataclasses():
     assert DOC.read_text() == render(), (
-        "docs/config.md is out of date with mtl/core/config.py: regenerate it with "
+        "docs/config.md is out of date with mtl/core/config_sections.py: regenerate it with "
         "`python -m mtl.cli.config_reference > docs/config.md`")
 
 
 def test_every_key_is_listed_with_a_meaning():
-    assert missing_meanings() == [], "add a comment beside the field in config.py (or an entry in MEANINGS)"
+    assert missing_meanings() == [], "add a comment beside the field in config_sections.py (or an entry in MEANINGS)"
     text = render()
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):

@@ -102,16 +102,15 @@ def test_cp_comm_type_derived_from_compile_and_cp(overrides, world, expected):
     assert cfg.parallel.cp_comm_type == expected
 
 
-def test_overlap_layer_comm_off_by_default_and_refused_where_it_orders_nothing():
-    assert load_config(None, ["train.compile=true"]).resolve(1, 257).parallel.overlap_layer_comm is False
-    on = ["train.compile=true", "parallel.overlap_layer_comm=true"]
-    for layout, world in ((["parallel.tp=2", "parallel.sequence_parallel=true"], 2), (["parallel.cp=2"], 2)):
-        assert load_config(None, [*on, *layout]).resolve(world, 257).parallel.overlap_layer_comm is True
-    with pytest.raises(ConfigError, match=r"parallel.overlap_layer_comm = true needs train.compile = true"):
-        load_config(None, ["train.compile=false", "parallel.overlap_layer_comm=true", "parallel.cp=2"]).resolve(2, 257)
-    for layout, world in (([], 1), (["parallel.tp=2"], 2), (["parallel.cp=2", "parallel.cp_comm_type='p2p'"], 2)):
-        with pytest.raises(ConfigError, match=r"this layout .* has none: set parallel.overlap_layer_comm = false"):
-            load_config(None, [*on, *layout]).resolve(world, 257)
+@pytest.mark.parametrize("key", ["parallel.overlap_layer_comm", "train.compile_cpp_wrapper"])
+def test_a_removed_key_is_named_as_removed_with_why(tmp_path, key):
+    """A config written for an older mtl fails on one line that says the key went, why, and
+    what to do, from a file as from --set (not "unknown key")."""
+    section, name = key.split(".")
+    with pytest.raises(ConfigError, match=rf"run.toml: {key} was removed in mtl-core 0.2.0: .*; delete the key$"):
+        load_config(write(tmp_path, f"[{section}]\n{name} = false\n"))
+    with pytest.raises(ConfigError, match=rf"--set: {key} was removed in mtl-core 0.2.0: .*benchmarks/RESULTS.md"):
+        load_config(None, [f"{key}=true"])
 
 
 def test_cp_comm_type_choice_checked():
@@ -214,3 +213,43 @@ def test_diff_and_format_round_trip(tmp_path):
     text = format_config(b)
     reread = load_config(write(tmp_path, text.replace("resolved", "x")))
     assert config_diff(reread.resolve(1, 257), b) == []
+
+
+def test_ckpt_load_iteration_unset_by_default_and_never_negative():
+    """``ckpt.load_iteration`` picks a committed iteration to resume from; unset means the latest."""
+    assert load_config(None, []).resolve(1, 257).ckpt.load_iteration is None
+    assert load_config(None, ["ckpt.load_iteration=60"]).resolve(1, 257).ckpt.load_iteration == 60
+    with pytest.raises(ConfigError, match=r"ckpt.load_iteration = -1 must not be negative"):
+        load_config(None, ["ckpt.load_iteration=-1"]).resolve(1, 257)
+
+
+def test_short_run_clamps_the_warmup_to_its_length():
+    """``--set train.iters=5`` on a config with 10 warmup steps runs: with train.lr_decay_iters
+    unset (derived: the run's length) the warmup is clamped to it, with one INFO line."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    logger, handler = logging.getLogger("mtl.core.config_derive"), Keep(level=logging.INFO)
+    logger.addHandler(handler)
+    try:
+        t = load_config(None, ["train.warmup_iters=10", "train.iters=5"]).resolve(1, 257).train
+    finally:
+        logger.removeHandler(handler)
+    assert (t.warmup_iters, t.lr_decay_iters) == (5, 5)
+    notes = [r for r in records if "train.warmup_iters = 10" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].levelname == "INFO", [r.getMessage() for r in records]
+    assert load_config(None, ["train.warmup_iters=3", "train.iters=5"]).resolve(1, 257).train.warmup_iters == 3
+
+
+def test_warmup_longer_than_a_given_decay_is_refused():
+    """Both set by the user: they meant them, so a warmup past the decay is an error, not a clamp."""
+    with pytest.raises(ConfigError, match=r"train.warmup_iters = 10 exceeds train.lr_decay_iters = 5: lower "
+                                          r"train.warmup_iters, raise train.lr_decay_iters, or unset it"):
+        load_config(None, ["train.warmup_iters=10", "train.lr_decay_iters=5", "train.iters=5"]).resolve(1, 257)
+    resolved = load_config(None, ["train.warmup_iters=10", "train.iters=5"]).resolve(1, 257)
+    assert resolved.resolve(1, 257).train.warmup_iters == 5  # a resolved config resolves to itself

@@ -9,8 +9,8 @@ import torch
 from mtl.core.registrations import Fp8Settings
 from mtl.quant import layers as fp8_layers
 from mtl.quant.layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear
-from mtl.quant.weight_cache import ENV_SWITCH, invalidate_weight_caches
-from mtl.train.testing import run_layout, run_tiny
+from mtl.quant.weight_cache import invalidate_weight_caches, weight_caching
+from mtl.train.testing import LAYOUTS, run_tiny
 
 FP8 = ["model.backend='fp8'"]
 RECIPES = {"current": [*FP8, "train.fp8='current'"], "rowwise": [*FP8, "train.fp8='rowwise'", "train.fp8_format='e4m3'"]}
@@ -30,9 +30,10 @@ def count_refreshes(monkeypatch):
     return calls
 
 
-def trained(monkeypatch, overrides, cache: bool):
-    monkeypatch.setenv(ENV_SWITCH, "1" if cache else "0")
-    return run_tiny(overrides)
+def trained(overrides, cache: bool):
+    """A tiny training run whose FP8 layers are built with (or without) the weight cache."""
+    with weight_caching(cache):
+        return run_tiny(overrides)
 
 
 def assert_same_run(cached, uncached):
@@ -44,16 +45,16 @@ def assert_same_run(cached, uncached):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_training_equals_uncached_bitwise(monkeypatch, count_refreshes, recipe, precision):
+def test_training_equals_uncached_bitwise(count_refreshes, recipe, precision):
     """3 steps of 4 micro-batches each (TINY: global batch 8, micro-batch 2): a cache kept
     stale across an optimizer step would change steps 2 and 3 and the last gradients. bf16:
     bf16 weights written by the optimizer's main -> model copy (no version bump)."""
     overrides = [*RECIPES[recipe]]
     if precision == "bf16":
         overrides += ["train.precision='bf16'", "train.params_dtype='bf16'"]
-    cached = trained(monkeypatch, overrides, cache=True)
+    cached = trained(overrides, cache=True)
     refreshes = len(count_refreshes)
-    uncached = trained(monkeypatch, overrides, cache=False)
+    uncached = trained(overrides, cache=False)
     assert len(count_refreshes) == refreshes  # the uncached path never builds a cache
     assert_same_run(cached, uncached)
     linears = 4 * 4  # 4 layers x (qkv, proj, fc1, fc2)
@@ -61,13 +62,14 @@ def test_training_equals_uncached_bitwise(monkeypatch, count_refreshes, recipe, 
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_tp2_equals_uncached_bitwise(monkeypatch, recipe):
-    """The refresh all-reduces the weight amax over TP like the uncached path (spawned ranks
-    inherit the switch)."""
-    monkeypatch.setenv(ENV_SWITCH, "1")
-    cached = run_layout("tp2", RECIPES[recipe])
-    monkeypatch.setenv(ENV_SWITCH, "0")
-    uncached = run_layout("tp2", RECIPES[recipe])
+def test_tp2_equals_uncached_bitwise(recipe):
+    """The refresh all-reduces the weight amax over TP like the uncached path (each spawned rank
+    builds its layers with or without the cache)."""
+    from mtl.parallel.testing import run_distributed
+
+    world, overrides = LAYOUTS["tp2"]
+    cached, uncached = (run_distributed(trained, world, args=([*overrides, *RECIPES[recipe]], cache))
+                        for cache in (True, False))
     for rank_cached, rank_uncached in zip(cached, uncached):
         assert_same_run(rank_cached, rank_uncached)
 
@@ -75,14 +77,13 @@ def test_tp2_equals_uncached_bitwise(monkeypatch, recipe):
 # ---- one layer against its uncached twin -------------------------------------------------
 
 
-def twins(recipe="current", cls=Fp8ColumnParallelLinear, monkeypatch=None):
+def twins(recipe="current", cls=Fp8ColumnParallelLinear):
     """The same layer with and without the cache (same weights)."""
     fp8 = Fp8Settings(recipe, "e4m3" if recipe == "rowwise" else "hybrid")
-    monkeypatch.setenv(ENV_SWITCH, "1")
     torch.manual_seed(0)
     cached = cls(32, 24, fp8=fp8, bias=False, init_std=0.1)
-    monkeypatch.setenv(ENV_SWITCH, "0")
-    plain = cls(32, 24, fp8=fp8, bias=False)
+    with weight_caching(False):
+        plain = cls(32, 24, fp8=fp8, bias=False)
     plain.load_state_dict(cached.state_dict())
     assert cached.weight_cache is not None and plain.weight_cache is None
     return cached, plain
@@ -106,8 +107,8 @@ def assert_twins_agree(cached, plain, x, dy=None):
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
 @pytest.mark.parametrize("cls", [Fp8ColumnParallelLinear, Fp8RowParallelLinear])
-def test_refreshed_after_every_kind_of_weight_change(monkeypatch, recipe, cls):
-    cached, plain = twins(recipe, cls, monkeypatch)
+def test_refreshed_after_every_kind_of_weight_change(recipe, cls):
+    cached, plain = twins(recipe, cls)
     x, dy = torch.randn(6, 2, 32), torch.randn(6, 2, 24)
     assert_twins_agree(cached, plain, x, dy)
     # an optimizer step (torch AdamW on the parameter itself)
@@ -143,8 +144,8 @@ def test_refreshed_after_every_kind_of_weight_change(monkeypatch, recipe, cls):
     assert_twins_agree(cached, plain, x.bfloat16(), dy.bfloat16())
 
 
-def test_micro_batches_share_one_quantization(monkeypatch, count_refreshes):
-    cached, _ = twins("current", monkeypatch=monkeypatch)
+def test_micro_batches_share_one_quantization(count_refreshes):
+    cached, _ = twins("current")
     optimizer = torch.optim.AdamW(cached.parameters(), lr=0.05)
     for step in range(3):
         for _ in range(4):
@@ -155,11 +156,11 @@ def test_micro_batches_share_one_quantization(monkeypatch, count_refreshes):
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_kept_in_place_for_cuda_graphs(monkeypatch, recipe):
+def test_kept_in_place_for_cuda_graphs(recipe):
     """train.cuda_graphs: a captured forward reads the FP8 copy's addresses, so after an
     optimizer step the copy is refreshed into the same tensors (before_graph_replay), and a
     layer then computes what the uncached one does."""
-    cached, plain = twins(recipe, monkeypatch=monkeypatch)
+    cached, plain = twins(recipe)
     cached.before_graph_capture()
     x, dy = torch.randn(6, 2, 32), torch.randn(6, 2, 24)
     assert_twins_agree(cached, plain, x, dy)
@@ -211,13 +212,12 @@ def train_steps(model, steps=3, micro_batches=2, after_step=None, after_micro_ba
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_compiled_cache_no_graph_break_no_recompile(monkeypatch, recipe):
+def test_compiled_cache_no_graph_break_no_recompile(recipe):
     from torch._dynamo.utils import counters
 
-    monkeypatch.setenv(ENV_SWITCH, "0")
     torch.manual_seed(0)
-    reference = TwoLinears(recipe)
-    monkeypatch.setenv(ENV_SWITCH, "1")
+    with weight_caching(False):
+        reference = TwoLinears(recipe)
     model = TwoLinears(recipe)
     model.load_state_dict(reference.state_dict())
     torch._dynamo.reset()

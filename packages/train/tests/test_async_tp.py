@@ -22,7 +22,6 @@ import torch
 
 from mtl.core.config_io import load_config
 from mtl.core.errors import ConfigError
-from mtl.core.torch_release import torch_release
 from mtl.train.testing import TINY
 
 # A post-grad pass beside inductor's own (as the micro-pipeline TP pass runs) that counts, per
@@ -81,9 +80,6 @@ def _resolve(*overrides: str, world_size: int = 2):
     (["parallel.tp=1"], 1, "parallel.tp = 1"),
     (["parallel.sequence_parallel=false"], 2, "parallel.tp = 2, sequence_parallel = false"),
     (["train.compile=false"], 2, "train.compile = false"),
-    # torch 2.13 refuses the C++ wrapper at tp > 1 before (test_compile_cpp_wrapper.py)
-    pytest.param(["train.compile_cpp_wrapper=true"], 2, "train.compile_cpp_wrapper = true",
-                 marks=pytest.mark.skipif(torch_release() >= (2, 13), reason="refused at tp > 1 by torch 2.13 first")),
     (["train.device='cpu'"], 2, "a CPU run"),
 ])
 def test_refused_where_it_cannot_work(overrides, world_size, names):

@@ -45,16 +45,15 @@ def test_one_process_compiled_equals_eager_in_one_graph(eager_reference):
 
 # Collectives inside the layer (tp + sp), overlapped parameter gathers and selective recompute
 # (dp + distributed optimizer), full recompute over interleaved pipeline chunks, and context
-# parallelism (the ring, and all-gathered k/v with the gather beside the own block).
+# parallelism (the ring, and all-gathered k/v).
 # name -> (layout, extra overrides)
 CASES = {
     "tp2_sp": ("tp2_sp", []),
-    "tp2_sp_overlap": ("tp2_sp", ["parallel.overlap_layer_comm=true"]),
     "dp2_distopt": ("dp2_distopt", ["parallel.overlap_param_gather=true", "train.recompute=selective"]),
     "pp2_vpp2": ("pp2_vpp2", ["train.recompute=full"]),
     "cp2": ("cp2", []),
     # k/v all-gathered: the whole attention compiles with the layer
-    "cp2_allgather": ("cp2_allgather", ["parallel.overlap_layer_comm=true"]),
+    "cp2_allgather": ("cp2_allgather", []),
 }
 
 
@@ -87,8 +86,6 @@ def test_norm_grad_split_is_about_one_per_sm():
 def test_inductor_options_only_touch_cuda_codegen():
     import torch
 
-    from mtl.train.compile import OVERLAP_LAYER_COMM, inductor_options
+    from mtl.train.compile import inductor_options
 
-    cpu = torch.device("cpu")
-    assert inductor_options(overlap_comm=False, tokens_per_call=8192, device=cpu) is None
-    assert inductor_options(overlap_comm=True, tokens_per_call=8192, device=cpu) == OVERLAP_LAYER_COMM
+    assert inductor_options(tokens_per_call=8192, device=torch.device("cpu")) is None

@@ -93,8 +93,10 @@ def test_captured_layers_train_as_the_eager_layers(corpus, replays, monkeypatch,
     if backend == "fp8-current":
         # the FP8 weight cache, refreshed in place before the replays, against no cache (every
         # replay quantizes the weight itself): the same kernels under capture, so equal
-        monkeypatch.setenv("MTL_FP8_WEIGHT_CACHE", "0")
-        uncached = _train([*base, "train.cuda_graphs=true"]).losses
+        from mtl.quant.weight_cache import weight_caching
+
+        with weight_caching(False):
+            uncached = _train([*base, "train.cuda_graphs=true"]).losses
         assert uncached == pytest.approx(graphed, rel=1e-6, abs=0), (uncached, graphed)
 
 

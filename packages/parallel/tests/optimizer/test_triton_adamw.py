@@ -163,8 +163,8 @@ def test_clip_and_step_matches_torch_fused_adamw(dtype):
             assert torch.equal(e.model_view, e.piece.detach().to(dtype)), (step, name)  # torch's rounding
 
 
-def test_torch_path_when_asked(monkeypatch):
-    monkeypatch.setenv("MTL_TORCH_ADAMW", "1")
+def test_torch_path_without_triton(monkeypatch):
+    monkeypatch.setattr(triton_adamw, "AVAILABLE", False)  # as on an install without triton
     opt = ReplicatedOptimizer([Model(torch.bfloat16)], Topology.build(), **HP)
     assert not opt.uses_triton_adamw
 
@@ -174,7 +174,7 @@ def test_torch_step_hooks_run_around_the_update(monkeypatch, torch_path):
     """Process-wide and per-optimizer step hooks (mtl-quant's FP8 weight cache goes stale in
     one) see one step per update, before the weights change and after, on either path."""
     if torch_path:
-        monkeypatch.setenv("MTL_TORCH_ADAMW", "1")
+        monkeypatch.setattr(triton_adamw, "AVAILABLE", False)  # as on an install without triton
     model = Model(torch.bfloat16)
     opt = ReplicatedOptimizer([model], Topology.build(), **HP)
     assert opt.uses_triton_adamw is not torch_path

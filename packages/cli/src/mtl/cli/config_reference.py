@@ -1,6 +1,6 @@
 """``docs/config.md``: every config key with its type, default and meaning, generated from the
 ``RunConfig`` dataclasses (names, types, defaults) and the comments beside their fields in
-``mtl/core/config.py`` (meanings); keys without a comment there take theirs from ``MEANINGS``.
+``mtl/core/config_sections.py`` (meanings); keys without a comment there take theirs from ``MEANINGS``.
 A test checks that the committed file equals ``render()`` and that no key lacks a meaning.
 
     python -m mtl.cli.config_reference > docs/config.md
@@ -12,7 +12,7 @@ import dataclasses
 import inspect
 import re
 
-from mtl.core.config import CHOICES, SECTIONS
+from mtl.core.config_sections import CHOICES, SECTIONS
 
 SECTION_INTRO = {
     "model": "The architecture. Changing any of these makes another model: a checkpoint of one is refused by the other.",
@@ -76,7 +76,6 @@ MEANINGS = {
     "train.exit_interval": "stop (and save) every N steps; the same command resumes (0: off)",
     "train.lr": "peak learning rate",
     "train.min_lr": "learning rate at the end of the decay",
-    "train.warmup_iters": "linear warmup steps",
     "train.lr_schedule": "constant, linear, cosine or wsd (warmup-stable-decay)",
     "train.weight_decay": "AdamW weight decay",
     "train.adam_beta1": "AdamW beta1",

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import tomllib
-import types
-import typing
 from pathlib import Path
 from typing import Any, Iterable
 
 from mtl.core.config import SECTIONS, RunConfig
+from mtl.core.config_values import section_from_dict
 from mtl.core.errors import ConfigError
 
 
@@ -55,58 +52,9 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     data.setdefault(section, {})[key] = parse_override_value(value.strip())
 
 
-def _suggest(name: str, options: Iterable[str]) -> str:
-    close = difflib.get_close_matches(name, list(options), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-def _coerce(dotted: str, value: Any, annotation: Any) -> Any:
-    """Check a TOML value against a field's annotation; ints are accepted for floats."""
-    hint = annotation
-    if isinstance(hint, str):
-        hint = eval(hint, {"list": list, "dict": dict})  # annotations are plain builtins
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    if value is None and type(None) in options:
-        return None
-    for option in options:
-        if option is type(None):
-            continue
-        origin = typing.get_origin(option) or option
-        if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if origin is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if origin is bool and isinstance(value, bool):
-            return value
-        if origin in (str, list, dict) and isinstance(value, origin):
-            return value
-    wanted = " or ".join(getattr(o, "__name__", str(o)) for o in options if o is not type(None))
-    raise ConfigError(f"{dotted} = {value!r} should be {wanted}")
-
-
 def config_from_dict(data: dict[str, Any], source: str = "config") -> RunConfig:
     """Build a RunConfig, rejecting unknown sections and keys with a suggestion."""
-    sections: dict[str, Any] = {}
-    for name, values in data.items():
-        if name == "resolved":
-            continue
-        if name not in SECTIONS:
-            raise ConfigError(
-                f"{source}: unknown section [{name}]{_suggest(name, SECTIONS)}; "
-                f"sections are {', '.join(SECTIONS)}"
-            )
-        if not isinstance(values, dict):
-            raise ConfigError(f"{source}: [{name}] must be a table of keys")
-        cls = SECTIONS[name]
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        kwargs = {}
-        for key, value in values.items():
-            if key not in fields:
-                raise ConfigError(
-                    f"{source}: unknown key {name}.{key}{_suggest(key, fields)}"
-                )
-            kwargs[key] = _coerce(f"{name}.{key}", value, fields[key].type)
-        sections[name] = cls(**kwargs)
+    sections = {name: section_from_dict(name, values, source) for name, values in data.items() if name != "resolved"}
     return RunConfig(**sections)
 
 

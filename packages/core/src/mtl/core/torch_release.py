@@ -1,5 +1,5 @@
 """The installed torch's release, for the few behaviours that differ between the torch versions
-mtl supports (e.g. FP8 row-wise scales on CPU, inductor's C++ wrapper and collectives)."""
+mtl supports (e.g. FP8 row-wise scales on CPU)."""
 
 from __future__ import annotations
 

@@ -32,13 +32,13 @@ and runs no Python, so the cache is switched to ``keep_in_place()``: marking it 
 tensors, and the refresh (``before_graph_replay`` of the layer, before each replay) writes the
 new FP8 copy into them.
 
-``MTL_FP8_WEIGHT_CACHE=0`` turns the cache off for layers built afterwards (the tests compare
-both paths; spawned ranks inherit it).
+Inside ``weight_caching(False)`` layers are built without the cache: the tests compare the
+two paths through it.
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,12 +46,23 @@ from dataclasses import dataclass
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-ENV_SWITCH = "MTL_FP8_WEIGHT_CACHE"
+_caching = True  # changed only by ``weight_caching``
 
 
 def caching_enabled() -> bool:
-    """Read when a layer is built: ``MTL_FP8_WEIGHT_CACHE=0`` turns the cache off."""
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    """Read when a layer is built: whether its FP8 weight gets a cache."""
+    return _caching
+
+
+@contextlib.contextmanager
+def weight_caching(enabled: bool):
+    """Layers built inside get the cache (``enabled``) or quantize their weight on every call."""
+    global _caching
+    previous, _caching = _caching, enabled
+    try:
+        yield
+    finally:
+        _caching = previous
 
 
 @dataclass

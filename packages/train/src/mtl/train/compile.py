@@ -30,16 +30,6 @@ def compile_units(model: nn.Module) -> list[nn.Module]:
     return list(units()) if callable(units) else [model]
 
 
-# ``parallel.overlap_layer_comm``: keep the order in which a layer's code starts its collectives
-# and waits on them. By default inductor reorders the scheduled nodes to lower peak memory, which
-# moves each collective's start next to its wait (a collective allocates its output), so nothing
-# runs beside it. Without that pass the written order stands: the sequence-parallel backward's
-# reduce-scatter before the weight-gradient GEMM (``gathered_linear``), the all-gathered cp
-# attention's gather before the own block's pieces. (Inductor's raise_comms + sink_waits passes
-# also reorder, but cost a tp=2 rank 15-37% more compute on one H100: benchmarks/RESULTS.md.)
-OVERLAP_LAYER_COMM = {"reorder_for_peak_memory": False}
-
-
 # A norm's weight gradient sums dy * x_hat over every token of the layer call. Inductor computes
 # it in the kernel that computes the input gradient (a "mix order reduction"): each program
 # sums a split of rows into an fp32 workspace [splits, hidden], and an eager ``sum(dim=0)`` over
@@ -54,28 +44,18 @@ def norm_grad_split_rows(tokens_per_call: int, sm_count: int) -> int:
     return min(max(1 << (per_sm.bit_length() - 1), 16), 128)
 
 
-def inductor_options(*, overlap_comm: bool, tokens_per_call: int, device: torch.device) -> dict | None:
+def inductor_options(*, tokens_per_call: int, device: torch.device) -> dict | None:
     """This run's inductor options for every compiled region (None: inductor's defaults)."""
-    options = dict(OVERLAP_LAYER_COMM) if overlap_comm else {}
+    options = {}
     if device.type == "cuda":
         sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         options["triton.mix_order_reduction_split_size"] = norm_grad_split_rows(tokens_per_call, sm_count)
     return options or None
 
 
-def set_cpp_wrapper(enabled: bool) -> None:
-    """``train.compile_cpp_wrapper`` for this process. Inductor's global setting, not a per-compile
-    option like the others: given to ``torch.compile`` a layer's backward, compiled at the first
-    backward, did not follow it on CUDA (its C++ launch then found no compiled kernel: "CudaKernelParamCache
-    not populated"). Set from every run's config, so one run's choice does not leak into the next."""
-    import torch._inductor.config as inductor_config
-
-    inductor_config.cpp_wrapper = enabled
-
-
 def set_async_tp(tp_group) -> None:
-    """``parallel.async_tp`` for this process: inductor's micro-pipeline TP pass (a global setting
-    like ``cpp_wrapper``, so the layers' backward, compiled at the first backward, follows it too)
+    """``parallel.async_tp`` for this process: inductor's micro-pipeline TP pass (a global setting,
+    not a per-compile option, so the layers' backward, compiled at the first backward, follows it too)
     over the TP group's symmetric memory, which the fused ops exchange their pieces through.
     ``tp_group`` None turns it off; every run sets its own."""
     import torch._inductor.config as inductor_config

@@ -18,7 +18,7 @@ from mtl.parallel.random import seed_everything as seed_rng_streams
 from mtl.parallel.tensor_parallel.wgrad_fusion import enable_wgrad_fusion
 from mtl.parallel.topology import Topology
 from mtl.train.checkpointing import check_checkpoint_dirs
-from mtl.train.compile import compile_regions, inductor_options, set_async_tp, set_cpp_wrapper
+from mtl.train.compile import compile_regions, inductor_options, set_async_tp
 from mtl.train.precision import DTYPES
 
 log = get_logger(__name__)
@@ -73,14 +73,12 @@ def build_model_chunks(config: RunConfig, topology: Topology, device: torch.devi
         if DTYPES[config.train.params_dtype] != torch.float32:
             # fp32 main_grad buffers: the weight-gradient GEMMs accumulate into them directly
             enable_wgrad_fusion(model)
-    set_cpp_wrapper(config.train.compile_cpp_wrapper)  # process-wide: every run sets its own
-    set_async_tp(topology.tp_group if config.parallel.async_tp else None)  # idem
+    set_async_tp(topology.tp_group if config.parallel.async_tp else None)  # process-wide: every run sets its own
     if config.train.compile:
         p, m = config.parallel, config.model
         # tokens per layer call on this rank: sequence parallelism splits them over tp, cp always
         tokens = m.seq_length * config.train.micro_batch_size // p.cp // (p.tp if p.sequence_parallel else 1)
-        compile_regions(chunks, inductor_options(overlap_comm=p.overlap_layer_comm, tokens_per_call=tokens,
-                                                 device=device))
+        compile_regions(chunks, inductor_options(tokens_per_call=tokens, device=device))
     return chunks
 
 

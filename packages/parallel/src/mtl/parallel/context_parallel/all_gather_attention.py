@@ -15,9 +15,7 @@ computes them from the local k/v, and only then waits; the backward computes the
 pieces first, starts the reduce-scatter of their dK/dV, computes the own block's, and adds its
 dK/dV to what the reduce-scatter returns. The collectives are torch's functional ops, started
 and waited on apart: asynchronous on NCCL in eager mode. In a compiled layer inductor decides
-the order itself: by default its peak-memory ordering starts the gather after the own block's
-kernels (nothing overlaps); ``parallel.overlap_layer_comm`` turns that ordering off for the
-layer, and the order written here stands.
+the order itself: its peak-memory ordering starts the gather after the own block's kernels.
 
 The gathered k/v stay in rank order: rank ``j``'s block is its two chunks, ``j`` and
 ``2cp-1-j``. Rank ``r`` computes the same block pairs the ring computes

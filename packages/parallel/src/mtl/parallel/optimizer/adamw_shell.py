@@ -66,8 +66,7 @@ class AdamWShell:
     copy of the fp32 main weights into the bf16/fp16 model weights. On CUDA with main weights
     for every entry (contiguous bf16/fp16 model storage) and triton installed, it is instead
     one Triton kernel per tensor that does both in one pass over memory, with torch's
-    arithmetic and torch's optimizer state (``triton_adamw``; ``MTL_TORCH_ADAMW=1`` forces
-    the torch path)."""
+    arithmetic and torch's optimizer state (``triton_adamw``)."""
 
     is_dp_sharded = False
 

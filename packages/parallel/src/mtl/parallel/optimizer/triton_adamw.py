@@ -17,9 +17,6 @@ gradients are divided by ``grad_scale``; ``found_inf`` == 1 leaves weights, mome
 counts as they were. Unlike torch, the unscaled gradient is not written back (nothing reads
 it after the step, and it would cost another pass over the gradients).
 
-``MTL_TORCH_ADAMW=1`` in the environment makes the optimizers use torch's fused AdamW and
-the separate copy instead (for A/B benchmarks).
-
 Without triton installed (CPU installs) this module imports and ``AVAILABLE`` is False. Under
 ``TRITON_INTERPRET=1`` the kernel runs in Triton's interpreter on CPU tensors (tests).
 """
@@ -45,14 +42,10 @@ MODEL_DTYPES = (torch.bfloat16, torch.float16)
 BLOCK = 1024
 
 
-def disabled_by_env() -> bool:
-    return os.environ.get("MTL_TORCH_ADAMW", "0") == "1"
-
-
 def supports(entries) -> bool:
     """True when every entry can take the one-pass update: fp32 main weights of contiguous
     bf16/fp16 model storage on CUDA (or on CPU under the interpreter)."""
-    if not AVAILABLE or disabled_by_env() or not entries:
+    if not AVAILABLE or not entries:
         return False
     device_type = "cpu" if INTERPRETED else "cuda"
     for e in entries:

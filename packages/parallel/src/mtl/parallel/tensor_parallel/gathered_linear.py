@@ -7,8 +7,8 @@ the input gradient and the weight gradient, and only then reduce-scatters the in
 nothing runs beside the transfer. Here the backward computes the input gradient, starts its
 reduce-scatter, computes the weight gradient (into ``main_grad`` where the gradient-accumulation
 fusion is on), and waits last. Eagerly on NCCL the transfer then runs beside that GEMM; in a
-compiled layer, where inductor's own ordering would move the start next to the wait, with
-``parallel.overlap_layer_comm`` (mtl.train). The numbers are the two functions'.
+compiled layer inductor's peak-memory ordering moves the start next to the wait. The numbers are
+the two functions'.
 """
 
 from __future__ import annotations

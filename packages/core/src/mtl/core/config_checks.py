@@ -1,0 +1,189 @@
+"""The checks of ``RunConfig.resolve``: what the user gave, before anything is derived from it
+(``check_values``), and the resolved layout, model and schedule, after (``check``). Every error
+names the key and what to set instead; nothing here changes a value."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from mtl.core.config_feature_checks import check_features
+from mtl.core.config_pipeline import check_flops_split, pipeline_layer_split
+from mtl.core.config_sections import CHOICES, SECTIONS, ModelConfig, ParallelConfig, TrainConfig
+from mtl.core.errors import ConfigError
+
+
+def check_values(cfg: Any) -> None:
+    """Choices, signs and the sizes the derivations divide by, as given."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    for dotted, allowed in CHOICES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if value is None and getattr(type(getattr(cfg, section))(), key) is None:
+            continue  # a derived key left unset: the derive pass fills it
+        if value not in allowed:
+            raise ConfigError(f"{dotted} = {value!r} is not one of {', '.join(allowed)}")
+    for section in (m, p, t):
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+                raise ConfigError(f"{_key(section, f.name)} = {value} must not be negative")
+    if cfg.ckpt.load_iteration is not None and cfg.ckpt.load_iteration < 0:
+        raise ConfigError(f"ckpt.load_iteration = {cfg.ckpt.load_iteration} must not be negative "
+                          "(a committed iteration of ckpt.save; unset it to resume from the latest)")
+    for name in ("tp", "pp", "vpp", "cp", "ep"):
+        if getattr(p, name) < 1:
+            raise ConfigError(f"parallel.{name} = {getattr(p, name)} must be at least 1")
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        if getattr(m, name) < 1:
+            raise ConfigError(f"model.{name} = {getattr(m, name)} must be at least 1")
+    if m.moe_layer_freq < 1:
+        raise ConfigError(f"model.moe_layer_freq = {m.moe_layer_freq} must be at least 1")
+    if t.micro_batch_size < 1 or t.global_batch_size < 1:
+        raise ConfigError("train.micro_batch_size and train.global_batch_size must be at least 1")
+
+
+def check(cfg: Any, tokenizer_vocab_size: int | None) -> None:
+    """The derived config: the layout fits the model, the model fits the tokenizer, and every
+    optional feature can run with the rest (``check_features``)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    _check_layout(p, m)
+    _check_model(m, p, tokenizer_vocab_size)
+    _check_moe(m, p)
+    _check_train(t, p)
+    check_features(cfg)
+
+
+def _key(section: Any, name: str) -> str:
+    for sname, cls in SECTIONS.items():
+        if isinstance(section, cls):
+            return f"{sname}.{name}"
+    return name
+
+
+def _check_layout(p: ParallelConfig, m: ModelConfig) -> None:
+    if p.vpp > 1 and p.pp == 1:
+        raise ConfigError(f"parallel.vpp = {p.vpp} needs parallel.pp > 1")
+    if p.ep > 1 and p.dp % p.ep:
+        raise ConfigError(f"parallel.ep = {p.ep} must divide the data-parallel size {p.dp}")
+    if p.overlap_param_gather and not p.distributed_optimizer:
+        raise ConfigError(
+            "parallel.overlap_param_gather = true needs parallel.distributed_optimizer = true "
+            "(only the distributed optimizer all-gathers parameters after its step)"
+        )
+    if p.cp > 1 and m.seq_length % (2 * p.cp):
+        raise ConfigError(
+            f"model.seq_length = {m.seq_length} must be divisible by 2*cp = {2 * p.cp} "
+            "(context parallelism splits the sequence into 2*cp load-balanced chunks)"
+        )
+    if p.sequence_parallel and m.seq_length % (p.tp * p.cp):
+        raise ConfigError(
+            f"model.seq_length = {m.seq_length} must be divisible by tp*cp = {p.tp * p.cp} "
+            "for sequence parallelism"
+        )
+    if p.pipeline_split == "flops" and p.virtual_stage_layers is None:
+        check_flops_split(m.num_layers, p)  # the split itself needs the resolved model: resolve's end
+    else:
+        pipeline_layer_split(m.num_layers, p)  # raises on a bad split
+
+
+def _check_model(m: ModelConfig, p: ParallelConfig, tokenizer_vocab_size: int | None) -> None:
+    if m.num_attention_heads % m.num_query_groups:
+        raise ConfigError(
+            f"model.num_attention_heads = {m.num_attention_heads} is not divisible by "
+            f"model.num_query_groups = {m.num_query_groups}"
+        )
+    if m.num_attention_heads % p.tp or m.num_query_groups % p.tp:
+        raise ConfigError(
+            f"parallel.tp = {p.tp} must divide model.num_attention_heads = "
+            f"{m.num_attention_heads} and model.num_query_groups = {m.num_query_groups}"
+        )
+    if m.ffn_hidden_size % p.tp:
+        raise ConfigError(
+            f"model.ffn_hidden_size = {m.ffn_hidden_size} is not divisible by parallel.tp = {p.tp}"
+        )
+    if m.seq_length > m.max_position_embeddings and m.position_embedding == "learned":
+        raise ConfigError(
+            f"model.seq_length = {m.seq_length} exceeds model.max_position_embeddings = "
+            f"{m.max_position_embeddings} (learned positions cannot extrapolate)"
+        )
+    if tokenizer_vocab_size is not None and m.vocab_size < tokenizer_vocab_size:
+        raise ConfigError(
+            f"model.vocab_size = {m.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer_vocab_size}); remove the key or raise it"
+        )
+
+
+def _check_moe(m: ModelConfig, p: ParallelConfig) -> None:
+    """The MoE keys: set only with experts, and dividing as the layout needs."""
+    if m.num_experts == 0:
+        if p.ep > 1:
+            raise ConfigError(f"parallel.ep = {p.ep} needs experts to split: set model.num_experts (it is 0)")
+        if m.moe_layers:
+            raise ConfigError(f"model.moe_layers = {m.moe_layers} needs model.num_experts > 0 (it is 0)")
+        if m.moe_shared_expert_ffn_hidden_size:
+            raise ConfigError(
+                f"model.moe_shared_expert_ffn_hidden_size = {m.moe_shared_expert_ffn_hidden_size} needs "
+                "model.num_experts > 0 (a dense model's MLP is model.ffn_hidden_size)"
+            )
+        for key in ("moe_shared_expert_gate", "moe_capacity_factor"):  # set, they would do nothing
+            if getattr(m, key):
+                raise ConfigError(f"model.{key} = {getattr(m, key)} needs model.num_experts > 0 (it is 0)")
+        return
+    if not 1 <= m.moe_top_k <= m.num_experts:
+        raise ConfigError(
+            f"model.moe_top_k = {m.moe_top_k} must be between 1 and model.num_experts = {m.num_experts}"
+        )
+    if m.num_experts % p.ep:
+        raise ConfigError(
+            f"model.num_experts = {m.num_experts} is not divisible by parallel.ep = {p.ep} "
+            "(every expert-parallel rank holds the same number of experts)"
+        )
+    if m.bias:
+        raise ConfigError(
+            "model.bias = true with model.num_experts > 0: mtl's expert MLPs have no biases "
+            "(nor have Mixtral's, Qwen-MoE's or DeepSeek's); set model.bias = false (model.qkv_bias stays available)"
+        )
+    if sorted(set(m.moe_layers)) != list(m.moe_layers) or any(
+        not isinstance(i, int) or not 0 <= i < m.num_layers for i in m.moe_layers
+    ):
+        raise ConfigError(
+            f"model.moe_layers = {m.moe_layers} must list distinct layer numbers in [0, "
+            f"{m.num_layers}) in increasing order"
+        )
+    for key in ("moe_ffn_hidden_size", "moe_shared_expert_ffn_hidden_size"):
+        size = getattr(m, key)
+        if size % p.tp:
+            raise ConfigError(f"model.{key} = {size} is not divisible by parallel.tp = {p.tp}")
+    if m.moe_ffn_hidden_size < 1:
+        raise ConfigError(f"model.moe_ffn_hidden_size = {m.moe_ffn_hidden_size} must be at least 1")
+    if m.moe_shared_expert_gate and not m.moe_shared_expert_ffn_hidden_size:
+        raise ConfigError(
+            "model.moe_shared_expert_gate = true needs a shared expert: set model.moe_shared_expert_ffn_hidden_size"
+        )
+    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key} = {getattr(m, key)} must not be negative")
+    if m.moe_capacity_factor is not None and m.moe_capacity_factor < 0:
+        raise ConfigError(f"model.moe_capacity_factor = {m.moe_capacity_factor} must not be negative")
+
+
+def _check_train(t: TrainConfig, p: ParallelConfig) -> None:
+    if t.params_dtype not in ("fp32", t.precision):
+        raise ConfigError(
+            f"train.params_dtype = {t.params_dtype!r} with train.precision = {t.precision!r}: the weights "
+            f"are either '{t.precision}' (fp32 main weights in the optimizer) or 'fp32' (autocast)"
+        )
+    if p.vpp > 1 and t.num_micro_batches % p.pp:
+        raise ConfigError(
+            f"the interleaved pipeline schedule needs micro-batches per step "
+            f"({t.num_micro_batches}) divisible by parallel.pp = {p.pp}"
+        )
+    if t.warmup_iters > t.lr_decay_iters:  # both given: an unset lr_decay_iters clamps the warmup instead
+        raise ConfigError(
+            f"train.warmup_iters = {t.warmup_iters} exceeds train.lr_decay_iters = {t.lr_decay_iters}: "
+            "lower train.warmup_iters, raise train.lr_decay_iters, or unset it (then the warmup is "
+            "clamped to train.iters)"
+        )
+    if not 0.0 <= t.wsd_decay_fraction <= 1.0:
+        raise ConfigError(f"train.wsd_decay_fraction = {t.wsd_decay_fraction} must be in [0, 1]")
