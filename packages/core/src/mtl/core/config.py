@@ -251,6 +251,8 @@ class CkptConfig:
     # --load = --save); false (mtl train --fresh): start over, only into an empty ckpt.save
     resume: bool = True
     interval_minutes: float = 0.0  # also save when this many minutes passed since the last save (0: off)
+    # resume from this committed iteration of the starting checkpoint directory instead of its latest
+    load_iteration: int | None = None
 
 
 @dataclass
