@@ -24,12 +24,6 @@ def same_rng_layout(metadata: dict, config: RunConfig, topology: Topology, devic
             and all(metadata["config"]["parallel"].get(k) == getattr(config.parallel, k) for k in RNG_LAYOUT_KEYS))
 
 
-def saved_rng_layout(metadata: dict) -> str:
-    """The layout the saved RNG states belong to, in words."""
-    saved = metadata["config"]["parallel"]
-    return f"world size {metadata.get('world_size')}, " + ", ".join(f"{k} {saved.get(k)}" for k in RNG_LAYOUT_KEYS)
-
-
 def extra_state_layout_change(metadata: dict, config: RunConfig, topology: Topology) -> str:
     """What differs from the saved layout for modules' extra state, which is per rank and
     opaque ("" where nothing does): the world size, a split of the model, or which layers each
@@ -61,17 +55,15 @@ def layout_change_note(metadata: dict, config: RunConfig, topology: Topology, de
     what changed, and that the state reshards (an expected change, not a problem)."""
     saved = config_from_dict(metadata["config"])
     saved.resolved = True
+    # parallel.world_size among them: the saved world size is the saved config's
     changes = [line for line in config_diff(saved, config) if line.startswith("parallel.")]
     if not changes and stage_split_change(metadata, config):
         changes.append(stage_split_change(metadata, config))
-    if metadata.get("world_size") != topology.world_size:
-        changes.insert(0, f"world size {metadata.get('world_size')} -> {topology.world_size}")
     if metadata.get("device_type") != device_type:
         changes.append(f"device {metadata.get('device_type')} -> {device_type}")
     if not changes:
         return ""
     state = "weights and optimizer state reshard" if full_resume else "the weights reshard"
     if full_resume and not same_rng_layout(metadata, config, topology, device_type):
-        state += (f"; RNG streams re-seeded from (train.seed, iteration {metadata['iteration']}), the saved ones "
-                  f"being per rank of another layout ({saved_rng_layout(metadata)})")
+        state += f"; RNG streams re-seeded from (train.seed, iteration {metadata['iteration']})"
     return f"resuming at another layout ({'; '.join(changes)}): {state}"
