@@ -150,7 +150,13 @@ def starting_iteration(directory: str, key: str, requested: int | None) -> int:
                 f"ckpt.load_iteration = {requested} is not a committed checkpoint in {key} = {directory} "
                 f"(committed: {committed or 'none'}); choose one of those")
         return requested
-    latest = latest_iteration(directory)  # raises where 'latest' is missing or garbled
+    try:
+        latest = latest_iteration(directory)
+    except CheckpointError as exc:  # 'latest' missing or garbled
+        if not committed:
+            raise
+        raise CheckpointError(f"{exc}\nset ckpt.load_iteration = N to start from one of {key} = {directory}'s "
+                              f"committed iterations ({committed})") from exc
     if latest in committed:
         return latest
     if not committed:
