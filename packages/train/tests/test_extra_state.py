@@ -15,7 +15,7 @@ from mtl.core.hookspecs import hookimpl
 from mtl.parallel.backend_local.norms import RMSNorm
 from mtl.parallel.backend_plugin import LOCAL_BACKEND
 from mtl.parallel.testing import run_distributed
-from mtl.train.checkpointing import _extra_state_layout_change
+from mtl.train.layout_change import extra_state_layout_change
 from mtl.train.extra_state import modules_with_extra_state
 from mtl.train.loop import train
 from mtl.train.testing import TINY
@@ -110,17 +110,17 @@ def test_another_layout_is_named():
     cfg = load_config(None, [*BASE, "parallel.tp=2"]).resolve(world_size=2, tokenizer_vocab_size=257)
     topology = type("T", (), {"world_size": 2})()
     saved = {"world_size": 2, "config": {"parallel": {"tp": 1, "pp": 1, "vpp": 1, "cp": 1, "ep": 1}}}
-    assert _extra_state_layout_change(saved, cfg, topology) == "parallel.tp 1 -> 2"
-    assert _extra_state_layout_change({**saved, "world_size": 4}, cfg, topology) == "world size 4 -> 2"
+    assert extra_state_layout_change(saved, cfg, topology) == "parallel.tp 1 -> 2"
+    assert extra_state_layout_change({**saved, "world_size": 4}, cfg, topology) == "world size 4 -> 2"
     same = {"world_size": 2, "config": {"parallel": {"tp": 2, "pp": 1, "vpp": 1, "cp": 1, "ep": 1}}}
-    assert _extra_state_layout_change(same, cfg, topology) == ""
+    assert extra_state_layout_change(same, cfg, topology) == ""
     piped = load_config(None, [*BASE, "parallel.pp=2"]).resolve(world_size=2, tokenizer_vocab_size=257)
     assert piped.parallel.virtual_stage_layers == [3, 1]  # by FLOPs, the default
     layout = {"tp": 1, "pp": 2, "vpp": 1, "cp": 1, "ep": 1}
     even = {"world_size": 2, "config": {"parallel": layout}}  # saved before the split by FLOPs existed
-    assert _extra_state_layout_change(even, piped, topology) == "layers per pipeline stage [2, 2] -> [3, 1]"
+    assert extra_state_layout_change(even, piped, topology) == "layers per pipeline stage [2, 2] -> [3, 1]"
     by_hand = {"world_size": 2, "config": {"parallel": {**layout, "first_stage_layers": 3}}}
-    assert _extra_state_layout_change(by_hand, piped, topology) == ""
+    assert extra_state_layout_change(by_hand, piped, topology) == ""
 
 
 def straight_and_resumed_histories(ckpt: str) -> dict:

@@ -44,15 +44,12 @@ def test_resume_into_a_different_model_shape_is_refused(tmp_path):
 
 def test_rng_states_are_not_restored_across_expert_parallel_sizes():
     # same world size, another ep: a rank's expert RNG stream would belong to another ep rank
-    from torch import nn
-
-    from mtl.train.checkpointing import _same_rng_layout
+    from mtl.train.layout_change import same_rng_layout
 
     cfg = load_config(None, [*BASE, "model.num_layers=2", "model.num_experts=4", "model.moe_top_k=2",
                              "parallel.ep=2"]).resolve(world_size=2, tokenizer_vocab_size=257)
     saved = {"world_size": 2, "device_type": "cpu", "config": cfg.to_dict()}
-    chunks = [nn.Linear(2, 2)]
     topology = type("T", (), {"world_size": 2})()
-    assert _same_rng_layout(saved, cfg, topology, chunks)
+    assert same_rng_layout(saved, cfg, topology, "cpu")
     saved["config"]["parallel"]["ep"] = 1
-    assert not _same_rng_layout(saved, cfg, topology, chunks)
+    assert not same_rng_layout(saved, cfg, topology, "cpu")

@@ -10,7 +10,7 @@ saves its own, like its RNG states. The module states of a rank are
 ``torch.save``'d together as one row of a ``[world_size, n]`` uint8 array: an 8-byte
 length, the bytes, then zero padding to ``n``, the longest row over the ranks (one
 all-reduce). The row is restored, on a resume or a weights-only load, where the layout is
-the same: world size, tp, pp, vpp, cp, ep (``checkpointing.EXTRA_STATE_LAYOUT_KEYS``) and
+the same: world size, tp, pp, vpp, cp, ep (``layout_change.EXTRA_STATE_LAYOUT_KEYS``) and
 the layers of each pipeline stage (a chunk names its modules by their place in it).
 Elsewhere the modules keep their fresh state, and one log line says so. Loading uses
 ``torch.load(weights_only=True)``: an extra state must be tensors, numbers and plain

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from mtl.core.config import RunConfig
@@ -14,12 +12,12 @@ from mtl.core.log import get_logger
 from mtl.core.model_protocol import LanguageModel, build_model
 from mtl.core.plugins import registry
 from mtl.parallel.distributed import init_distributed
-from mtl.parallel.random import seed_everything as seed_rng_streams
 from mtl.parallel.tensor_parallel.wgrad_fusion import enable_wgrad_fusion
 from mtl.parallel.topology import Topology
-from mtl.train.checkpointing import check_checkpoint_dirs
 from mtl.train.compile import compile_regions, inductor_options, set_async_tp
 from mtl.train.precision import DTYPES
+from mtl.train.resume import Start, check_checkpoint_dirs
+from mtl.train.seeding import seed_everything
 
 log = get_logger(__name__)
 
@@ -33,19 +31,12 @@ class Run:
     chunks: list[torch.nn.Module]  # model chunks of this rank (vpp of them), DP-wrapped LanguageModels
     optimizer: Any
     datasets: dict[str, Any] = field(default_factory=dict)
+    start: Start = Start(None, None, False)  # the checkpoint the run starts from (resume.starting_checkpoint)
 
 
 def build_tokenizer(config: RunConfig):
     spec = registry("tokenizer").get(config.data.tokenizer)
     return spec.build(config.data.tokenizer_model)
-
-
-def seed_everything(seed: int, topology: Topology, device: torch.device) -> None:
-    """Python, NumPy, torch, and the tensor-parallel dropout streams (Megatron's rules:
-    pipeline stages offset the default seed, TP ranks get their own model-parallel stream)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    seed_rng_streams(seed, topology, device)
 
 
 def build_model_chunks(config: RunConfig, topology: Topology, device: torch.device) -> list[LanguageModel]:
@@ -144,7 +135,7 @@ def setup(config: RunConfig) -> Run:
     rank, world_size, device = init_distributed(config.train.device)
     tokenizer = build_tokenizer(config)
     config = config.resolve(world_size=world_size, tokenizer_vocab_size=tokenizer.vocab_size)
-    check_checkpoint_dirs(config)
+    start = check_checkpoint_dirs(config)  # before any compute
     if config.train.attention_kernel == "fa4":
         from mtl.parallel.backend_local.fa4 import activate_fa4
 
@@ -158,4 +149,4 @@ def setup(config: RunConfig) -> Run:
     datasets = build_datasets(config, tokenizer)
     if rank == 0:
         log.info("topology: %s", topology.describe())
-    return Run(config, topology, device, tokenizer, ddp_chunks, optimizer, datasets)
+    return Run(config, topology, device, tokenizer, ddp_chunks, optimizer, datasets, start)
