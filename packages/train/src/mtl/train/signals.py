@@ -1,6 +1,6 @@
 """Stop requests: SIGTERM (a scheduler's preemption notice, or torchrun shutting its workers
 down) and SIGINT (Ctrl-C) both ask the run to stop after the current step, save a checkpoint
-and exit 0. A second SIGINT aborts at once (KeyboardInterrupt: nothing more is saved, and a
+and exit (``mtl train`` exits 128 + the signal's number: 130, 143). A second SIGINT aborts at once (KeyboardInterrupt: nothing more is saved, and a
 save it interrupts is never committed, so ``latest`` still names a complete checkpoint)."""
 
 from __future__ import annotations

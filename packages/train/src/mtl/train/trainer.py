@@ -14,7 +14,7 @@ from mtl.ckpt import latest_iteration, prune_checkpoints
 from mtl.ckpt.directory import committed_iterations, iteration_dir
 from mtl.core.config import RunConfig
 from mtl.core.errors import ConfigError
-from mtl.core.log import get_logger
+from mtl.core.log import ONE_RANK, get_logger
 from mtl.core.plugins import registry
 from mtl.models.moe import moe_step_metrics
 from mtl.train.agreement import Agreement, agree
@@ -43,6 +43,8 @@ class TrainResult:
     eval_losses: dict[int, float] = field(default_factory=dict)
     final_iteration: int = 0
     stopped_by: str = "iters"  # iters | exit_interval | signal
+    # the signal this process received, e.g. "SIGINT" (None where only another rank was signalled)
+    stop_signal: str | None = None
     skipped_steps: int = 0  # fp16 overflow steps the loss scaler skipped
     bad_steps: int = 0  # NaN/Inf steps skipped under train.skip_bad_steps
     run: Run | None = None  # the model and optimizer as they ended, for inspection and tests
@@ -74,6 +76,7 @@ class Trainer:
                         self.checkpoint()
                     if agreed.stop or (t.exit_interval and self.iteration % t.exit_interval == 0):
                         self.result.stopped_by = "signal" if agreed.stop else "exit_interval"
+                        self.result.stop_signal = stop.received
                         break
                 # still under the handlers: a second Ctrl-C during this save aborts it (never committed)
                 if self.config.ckpt.save_on_exit and self.last_saved != self.iteration:
@@ -253,8 +256,8 @@ class Trainer:
     def _say(self, text: str) -> None:
         if self.display.mode != "none":
             self.display.message(text)
-        elif self.writer:
-            log.info("%s", text)
+        elif self.writer:  # the writer is the last pipeline stage, not always rank 0
+            log.info("%s", text, extra=ONE_RANK)
 
     # -- evaluate ------------------------------------------------------------------------
 

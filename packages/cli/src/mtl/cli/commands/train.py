@@ -51,16 +51,15 @@ def train(config, overrides, fresh, nproc_per_node, max_restarts, dry_run):
 
         check_launch(cfg, nproc_per_node)
         exec_torchrun(torchrun_argv(nproc_per_node, max_restarts or 0, config, list(overrides)))
-    from mtl.cli.signal_exit import StopSignals, stopped_exit_code
+    from mtl.cli.signal_exit import stopped_exit_code
     from mtl.train.loop import train as run_training
 
-    with StopSignals() as signals:
-        result = run_training(cfg)
+    result = run_training(cfg)
     _close_process_group()
     if result.stopped_by != "iters":
         click.echo(f"stopped at iteration {result.final_iteration} ({result.stopped_by})")
     if result.stopped_by == "signal":
-        click.get_current_context().exit(stopped_exit_code(signals.first()))
+        click.get_current_context().exit(stopped_exit_code(result.stop_signal))
 
 
 def _close_process_group() -> None:
