@@ -23,12 +23,13 @@ def _run_compiled(overrides: list[str]) -> dict:
 
 
 def _layer_graphs() -> int:
-    """How many compiled graphs dynamo holds for the transformer layer's forward."""
+    """How many compiled graphs dynamo holds for a transformer layer's compiled call: under
+    ``train.compile`` the layer's deferred step (``residual_deferral.py``)."""
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from mtl.models.gpt.transformer_layer import TransformerLayer
+    from mtl.models.gpt.residual_deferral import DeferredResidualStep
 
-    return len(_debug_get_cache_entry_list(TransformerLayer.forward.__code__))
+    return len(_debug_get_cache_entry_list(DeferredResidualStep.forward.__code__))
 
 
 @pytest.fixture(scope="module")

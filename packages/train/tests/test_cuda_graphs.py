@@ -61,13 +61,13 @@ def replays(monkeypatch):
     from mtl.models.gpt.cuda_graphs import GraphedLayer  # noqa: PLC0415
 
     calls = []
-    original = GraphedLayer.__call__
+    original = GraphedLayer.replay
 
     def counting(self, *args):
         calls.append(1)
         return original(self, *args)
 
-    monkeypatch.setattr(GraphedLayer, "__call__", counting)
+    monkeypatch.setattr(GraphedLayer, "replay", counting)
     return calls
 
 
@@ -156,3 +156,33 @@ def test_a_graphs_run_config_resolves_for_cpu_inference_and_export():
 def test_a_cpu_run_is_refused_before_any_work():
     with pytest.raises(ConfigError, match="train.cuda_graphs = true needs a CUDA device"):
         load_config(None, [*TINY, "train.cuda_graphs=true"]).resolve(tokenizer_vocab_size=257)
+
+
+def test_a_graphed_call_replays_training_forwards_of_the_captured_shape_only():
+    """``GraphedLayer`` stands in the block's layer calls (``layer_calls.py``): it replays the
+    graphs in a training forward of the captured shape and calls the layer as before otherwise."""
+    from mtl.models.gpt.cuda_graphs import GraphedLayer  # noqa: PLC0415
+
+    layer = torch.nn.Linear(4, 4)
+    eager, replayed = [], []
+
+    def call(hidden, *rest):
+        eager.append(len(rest))
+        return hidden
+
+    def graphs(*tensors):
+        replayed.append(len(tensors))
+        return tensors[0]
+
+    graphed = GraphedLayer("0", layer, call, graphs, torch.zeros(3, 2, 4))
+    hidden, rotary = torch.ones(3, 2, 4), (torch.ones(2, 3, 1, 2), torch.zeros(2, 3, 1, 2))
+    graphed(hidden, None, None)
+    graphed(hidden, hidden, rotary, None)  # a deferred step's call: pending and the rotary tables
+    assert replayed == [1, 4] and not eager
+    graphed(hidden, None, object())  # generation (a KV cache)
+    graphed(torch.ones(5, 2, 4), None, None)  # another shape
+    with torch.no_grad():
+        graphed(hidden, None, None)
+    layer.eval()
+    graphed(hidden, hidden, rotary, None)
+    assert replayed == [1, 4] and eager == [2, 2, 2, 3]

@@ -5,8 +5,10 @@ Transformer Engine, running their Python) again.
 
 How it fits the rest:
 
-- A graph reads and writes fixed addresses. The layer's inputs (the residual stream and the
-  previous layer's MLP output it has not added yet, see ``TransformerBlock``) and the rotary
+- Applied from outside the model's code: each layer's call in the block (``layer_calls.py``)
+  becomes a ``GraphedLayer``, which replays in training and calls the layer as before otherwise.
+- A graph reads and writes fixed addresses. The layer's inputs (the residual stream and, under
+  ``train.compile``, the previous layer's MLP output not added yet, ``residual_deferral.py``) and the rotary
   tables are copied into the graph's own input tensors at each replay; its outputs and input
   gradients live in the graphs' memory pool until the next replay. With one model replica per GPU and
   no pipeline (``_check_cuda_graphs`` in mtl.core.config), micro-batch ``i``'s backward ends
@@ -33,26 +35,29 @@ import torch
 from torch import nn
 
 from mtl.core.log import get_logger
-from mtl.models.gpt.transformer_block import defers_residual_add
+from mtl.models.gpt.layer_calls import layer_calls
+from mtl.models.gpt.residual_deferral import is_deferred
 
 log = get_logger(__name__)
 
 
-class _LayerCall(nn.Module):
-    """The call that is captured, the block's call of the layer as all tensors (what
-    ``make_graphed_callables`` takes), with the layer's parameters as its own:
-    ``(hidden, pending, *rotary) -> (hidden, mlp_out)`` for a layer that defers its residual add
-    (``TransformerBlock``), else ``(hidden, *rotary) -> hidden``."""
+class _TensorCall(nn.Module):
+    """A layer's call with tensors only (what ``make_graphed_callables`` takes), the call's
+    module as its child (its parameters are the graphs' weights): ``(hidden, pending, *rotary)
+    -> (hidden, mlp_out)`` for a deferred step (``residual_deferral.py``), else
+    ``(hidden, *rotary) -> hidden``."""
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, call: Callable, module: nn.Module, deferred: bool):
         super().__init__()
-        self.layer = layer
+        self.module = module
+        self.__dict__["call"] = call  # the module's call (compiled in place or not), not a second child
+        self.deferred = deferred
 
     def forward(self, hidden: torch.Tensor, *rest: torch.Tensor):
-        if defers_residual_add(self.layer):
+        if self.deferred:
             pending, *rotary = rest
-            return self.layer(hidden, tuple(rotary) if rotary else None, None, pending)
-        return self.layer(hidden, tuple(rest) if rest else None, None)
+            return self.call(hidden, pending, tuple(rotary) if rotary else None, None)
+        return self.call(hidden, tuple(rest) if rest else None, None)
 
 
 def _addresses(layer: nn.Module) -> dict[str, int]:
@@ -67,11 +72,11 @@ def _addresses(layer: nn.Module) -> dict[str, int]:
 
 
 class GraphedLayer:
-    """One layer's captured training call, and the eager layer for everything else."""
+    """One layer's call in the block: its captured graphs in training forwards, the call it
+    replaces for everything else (evaluation, generation, no grad, another input shape)."""
 
-    def __init__(self, layer: nn.Module, graphed: Callable, sample: torch.Tensor):
-        self.layer = layer
-        self.graphed = graphed
+    def __init__(self, key: str, layer: nn.Module, call: Callable, graphed: Callable, sample: torch.Tensor):
+        self.key, self.layer, self.call, self.graphed = key, layer, call, graphed
         self.shape, self.dtype = sample.shape, sample.dtype
         self.replay_hooks = _hooks(layer, "before_graph_replay")
         self.addresses = _addresses(layer)
@@ -86,7 +91,7 @@ class GraphedLayer:
             self._warned = True
         return False
 
-    def check_addresses(self, key: str) -> None:
+    def check_addresses(self) -> None:
         """Fail loudly if a tensor the graphs read has moved (``param.data = ...``,
         ``module.to(...)``, ``load_state_dict(assign=True)`` after the capture): a replay would
         read freed memory."""
@@ -94,15 +99,21 @@ class GraphedLayer:
         moved = [name for name, address in self.addresses.items() if now.get(name) != address]
         if moved:
             raise RuntimeError(
-                f"train.cuda_graphs: {', '.join(f'layers.{key}.{name}' for name in moved[:3])} moved after the "
+                f"train.cuda_graphs: {', '.join(f'layers.{self.key}.{name}' for name in moved[:3])} moved after the "
                 "layer was captured (a new tensor was assigned to it); the graphs would read freed memory. "
                 "Change parameters in place (copy_), or set train.cuda_graphs = false")
 
-    def __call__(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None, *pending: torch.Tensor):
-        """The layer's call as the block makes it: ``pending`` where the layer defers its residual add."""
+    def __call__(self, hidden: torch.Tensor, *rest):
+        """The call as the block makes it: ``(hidden, [pending,] rotary, inference_context)``."""
+        *pending, rotary, inference_context = rest
+        if self.layer.training and inference_context is None and torch.is_grad_enabled() and self.matches(hidden):
+            return self.replay(hidden, *pending, *(rotary or ()))
+        return self.call(hidden, *rest)
+
+    def replay(self, *tensors: torch.Tensor):
         for hook in self.replay_hooks:
             hook()
-        return self.graphed(hidden, *pending, *(rotary or ()))
+        return self.graphed(*tensors)
 
 
 def _hooks(layer: nn.Module, name: str) -> list[Callable[[], None]]:
@@ -112,31 +123,41 @@ def _hooks(layer: nn.Module, name: str) -> list[Callable[[], None]]:
 def capture_layer_graphs(model: nn.Module, micro_batch_size: int, seq_length: int) -> int:
     """Capture every transformer layer of ``model`` (a GPT-family ``LanguageModel`` on a CUDA
     device, in training mode) for inputs ``[seq_length, micro_batch_size, hidden]``; returns
-    how many were captured. The model's block then replays them in training forwards. Called
-    again (every step), it only checks that nothing the graphs read has moved, and returns 0."""
-    block = model.layers
-    if block.graphed_layers:
-        for key, graphed in block.graphed_layers.items():
-            graphed.check_addresses(key)
+    how many were captured. The block's layer calls replay them in training forwards from then
+    on. Called again (every step), it only checks that nothing the graphs read has moved, and
+    returns 0."""
+    calls = layer_calls(model.layers)
+    captured = [call for call in calls.calls if isinstance(call, GraphedLayer)]
+    if captured:
+        for graphed in captured:
+            graphed.check_addresses()
         return 0
-    layers = list(block.values())
-    if not layers:
+    if not calls.layers:
         return 0
-    first = next(layers[0].parameters())
+    deferred = is_deferred(model.layers)
+    first = next(calls.layers[0].parameters())
     device, dtype = first.device, first.dtype
     hidden_size = model.config.model.hidden_size
     positions = torch.arange(seq_length, device=device).expand(micro_batch_size, seq_length)
     rotary = tuple(model.rotary(positions)) if model.rotary is not None else ()
-    calls, samples = [], []
+    tensor_calls, samples = [], []
     generator = torch.Generator(device=device).manual_seed(0)
-    for layer in layers:
+    for layer, unit, call in zip(calls.layers, calls.units, calls.calls):
         for hook in _hooks(layer, "before_graph_capture"):
             hook()
-        calls.append(_LayerCall(layer))
+        tensor_calls.append(_TensorCall(call, unit, deferred))
         streams = [torch.randn(seq_length, micro_batch_size, hidden_size, device=device, dtype=dtype,
                                generator=generator).requires_grad_()
-                   for _ in range(2 if defers_residual_add(layer) else 1)]  # hidden (, pending)
+                   for _ in range(2 if deferred else 1)]  # hidden (, pending)
         samples.append((*streams, *(r.detach().clone() for r in rotary)))
+    graphed = _make_graphed(tensor_calls, samples)
+    calls.calls = [GraphedLayer(key, layer, call, graph, sample[0])
+                   for key, layer, call, graph, sample in zip(calls.keys, calls.layers, calls.calls, graphed, samples)]
+    log.info("train.cuda_graphs: %d layers captured for inputs %s", len(graphed), tuple(samples[0][0].shape))
+    return len(graphed)
+
+
+def _make_graphed(tensor_calls: list[nn.Module], samples: list[tuple]) -> tuple:
     # allow_unused_input: the rotary tables need no gradient, and a weight whose gradient the
     # GEMM adds to main_grad itself may return none.
     # The warm-up runs on a side stream, where autograd warns that parameters' AccumulateGrad
@@ -146,12 +167,7 @@ def capture_layer_graphs(model: nn.Module, micro_batch_size: int, seq_length: in
     if warn is not None:
         warn(False)
     try:
-        graphed = torch.cuda.make_graphed_callables(tuple(calls), tuple(samples), allow_unused_input=True)
+        return torch.cuda.make_graphed_callables(tuple(tensor_calls), tuple(samples), allow_unused_input=True)
     finally:
         if warn is not None:
             warn(True)
-    block.use_graphed_layers({
-        key: GraphedLayer(layer, call, sample[0]) for key, layer, call, sample in zip(block.keys(), layers, graphed, samples)
-    })
-    log.info("train.cuda_graphs: %d layers captured for inputs %s", len(layers), tuple(samples[0][0].shape))
-    return len(layers)

@@ -6,8 +6,11 @@ the config picks, the backend supplies the leaves. A pipeline stage builds only 
 ``pre_process`` (the embedding), ``post_process`` (final norm, LM head, loss) and the layers
 of ``layer_range``. ``layer_spec`` is the one thing a gpt-like family changes (e.g. a
 parallel attention + MLP block): ``layer_spec(config, backend) -> ModuleSpec`` of a layer whose
-forward is ``(hidden [s(/tp), b, h], rotary, inference_context) -> hidden`` (or, with
-``defers_residual_add``, also ``pending``: see ``TransformerBlock``).
+forward is ``(hidden [s(/tp), b, h], rotary, inference_context) -> hidden``.
+
+The layers are plain modules; the model applies from outside them what changes how they are
+called (``layer_calls.py``): the residual deferral under ``train.compile``, full recompute, and
+CUDA-graph replay once the training step captures them.
 
 It follows ``mtl.core.model_protocol.LanguageModel``, the contract every family's model keeps.
 """
@@ -27,7 +30,10 @@ from mtl.models.gpt.cuda_graphs import capture_layer_graphs
 from mtl.models.gpt.embedding import GPTEmbedding
 from mtl.models.gpt.inference_context import InferenceContext
 from mtl.models.gpt.layer_spec import layer_spec as gpt_layer_spec
+from mtl.models.gpt.layer_calls import compile_units as block_compile_units
 from mtl.models.gpt.layer_spec import norm_spec
+from mtl.models.gpt.recompute import apply_full_recompute
+from mtl.models.gpt.residual_deferral import apply_residual_deferral
 from mtl.models.gpt.rope import RotaryEmbedding
 from mtl.models.gpt.transformer_block import TransformerBlock
 from mtl.models.gpt.transformer_layer import sequence_parallel_norm_kwargs
@@ -79,8 +85,13 @@ class GPTModel(nn.Module):
             layer_range if layer_range is not None else (0, m.num_layers),
             m.num_layers,
             topology,
-            recompute_full=config.train.recompute == "full",
         )
+        if config.train.compile:
+            # speed only (the same numbers): each residual add runs in the next layer's compiled
+            # norm kernel; a family's layers without the two branch methods keep the plain loop
+            apply_residual_deferral(self.layers)
+        if config.train.recompute == "full":
+            apply_full_recompute(self.layers)
         if post_process:
             self.final_norm = build_module(
                 norm_spec(config, backend, m.hidden_size),
@@ -121,8 +132,9 @@ class GPTModel(nn.Module):
         """What ``train.compile`` compiles, one region each: the transformer layers (one
         graph serves them all) and the last stage's final norm (eager, its fp32 kernels and
         casts took ~2 ms of a 1.05 s step of the H100 reference model); embedding and head stay
-        eager (the fused loss compiles its own chunk kernels)."""
-        return [*self.layers.values(), *([self.final_norm] if self.post_process else [])]
+        eager (the fused loss compiles its own chunk kernels). Under the residual deferral the
+        layers' units are their deferred steps (``residual_deferral.py``)."""
+        return [*block_compile_units(self.layers), *([self.final_norm] if self.post_process else [])]
 
     def capture_cuda_graphs(self, micro_batch_size: int) -> int:
         """``train.cuda_graphs``: capture each layer's training forward and backward for

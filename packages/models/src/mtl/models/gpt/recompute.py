@@ -1,4 +1,5 @@
-"""Activation recomputation that also replays the tensor-parallel RNG stream.
+"""Activation recomputation that also replays the tensor-parallel RNG stream, and
+``train.recompute = 'full'`` applied to a block's layers from outside (``apply_full_recompute``).
 
 ``torch.utils.checkpoint`` restores the default generator before recomputing, so dropout on
 replicated activations draws the same mask twice. Dropout on TP-split activations draws from
@@ -14,8 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from mtl.models.gpt.layer_calls import layer_calls
 from mtl.parallel.random import get_rng_tracker
 
 
@@ -47,3 +50,23 @@ def checkpointed(function: Callable[..., Any], *args: Any) -> Any:
     return checkpoint(
         function, *args, use_reentrant=False, context_fn=lambda: (forward_context(), recompute_context())
     )
+
+
+class Recomputed:
+    """A layer's call that keeps no activations in training (recomputed in backward); the
+    checkpoint wraps the call, so a compiled layer is checkpointed from outside its region."""
+
+    def __init__(self, call: Callable[..., Any], layer: nn.Module):
+        self.call = call
+        self.layer = layer  # whose ``training`` says whether to recompute
+
+    def __call__(self, *args: Any) -> Any:
+        if self.layer.training:
+            return checkpointed(self.call, *args)
+        return self.call(*args)
+
+
+def apply_full_recompute(block: nn.ModuleDict) -> None:
+    """``train.recompute = 'full'``: every layer of ``block`` recomputed in backward (``layer_calls.py``)."""
+    calls = layer_calls(block)
+    calls.calls = [Recomputed(call, layer) for call, layer in zip(calls.calls, calls.layers)]

@@ -36,7 +36,10 @@ def sequence_parallel_norm_kwargs(sequence_parallel: bool, topology) -> dict:
 
 
 class TransformerLayer(nn.Module):
-    defers_residual_add = True  # TransformerBlock passes ``pending`` (see forward)
+    """``hidden + attention_branch``, then ``+ mlp_branch``: two residual branches. The branches
+    are methods of their own so that a transformation outside the layer can call them (the
+    residual deferral under ``train.compile``, ``residual_deferral.py``); ``forward`` is the
+    layer as it reads."""
 
     def __init__(
         self,
@@ -65,26 +68,28 @@ class TransformerLayer(nn.Module):
         mlp = submodules.moe_mlp if layer_number in moe_layers else submodules.mlp
         self.mlp = build_module(mlp, topology=topology, **({"norm": self.pre_mlp_norm} if fuse_pre_mlp_norm else {}))
 
+    def attention_branch(
+        self,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        inference_context: InferenceContext | None = None,
+    ) -> torch.Tensor:
+        """dropout(self_attention(input_norm(hidden))): [s(/tp), b, h] -> [s(/tp), b, h]."""
+        attention_in = hidden if self.fuse_input_norm else self.input_norm(hidden)
+        attention_out = self.self_attention(attention_in, rotary, inference_context)
+        return F.dropout(attention_out, p=self.hidden_dropout, training=self.training)
+
+    def mlp_branch(self, hidden: torch.Tensor) -> torch.Tensor:
+        """dropout(mlp(pre_mlp_norm(hidden))): [s(/tp), b, h] -> [s(/tp), b, h]."""
+        mlp_out = self.mlp(hidden if self.fuse_pre_mlp_norm else self.pre_mlp_norm(hidden))
+        return F.dropout(mlp_out, p=self.hidden_dropout, training=self.training)
+
     def forward(
         self,
         hidden: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         inference_context: InferenceContext | None = None,
-        pending: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """[s(/tp), b, h] -> [s(/tp), b, h].
-
-        With ``pending`` (the previous layer's MLP output, not yet added to the residual stream
-        ``hidden``) the layer adds it first and returns ``(hidden, mlp_out)``, its own last
-        residual add left to the next layer (``TransformerBlock``). Compiled per layer, the add
-        then runs inside the input norm's kernel instead of as a kernel of its own at the end
-        of the previous layer's graph: one read and one write of the residual stream less per
-        layer. Eager, the numbers are the same either way."""
-        if pending is not None:
-            hidden = hidden + pending
-        attention_in = hidden if self.fuse_input_norm else self.input_norm(hidden)
-        attention_out = self.self_attention(attention_in, rotary, inference_context)
-        hidden = hidden + F.dropout(attention_out, p=self.hidden_dropout, training=self.training)
-        mlp_out = self.mlp(hidden if self.fuse_pre_mlp_norm else self.pre_mlp_norm(hidden))
-        mlp_out = F.dropout(mlp_out, p=self.hidden_dropout, training=self.training)
-        return (hidden, mlp_out) if pending is not None else hidden + mlp_out
+    ) -> torch.Tensor:
+        """[s(/tp), b, h] -> [s(/tp), b, h]."""
+        hidden = hidden + self.attention_branch(hidden, rotary, inference_context)
+        return hidden + self.mlp_branch(hidden)
