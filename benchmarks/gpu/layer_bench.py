@@ -62,6 +62,8 @@ def mtl_layer(variant: str, sets: list[str]):
     cfg = run.config
     model = run.chunks[0].module if hasattr(run.chunks[0], "module") else run.chunks[0]
     layer = next(iter(model.layers.values()))
+    # under train.compile the compiled unit is the layer's deferred-residual step (residual_deferral.py)
+    step = model.compile_units()[0]
     s, b, h = cfg.model.seq_length, cfg.train.micro_batch_size, cfg.model.hidden_size
     x = torch.randn(s, b, h, device=DEVICE, dtype=next(layer.parameters()).dtype, requires_grad=True)
     grad = torch.randn_like(x)
@@ -72,7 +74,8 @@ def mtl_layer(variant: str, sets: list[str]):
 
     def call():  # inside no_sync, as every micro-batch but the last: no gradient reduction
         with ddp.no_sync():
-            layer(x, rotary).backward(grad)
+            hidden, mlp_out = step(x, torch.zeros_like(x).requires_grad_(), rotary)
+            (hidden + mlp_out).backward(grad)
 
     return call
 
