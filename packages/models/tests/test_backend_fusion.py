@@ -19,6 +19,7 @@ from mtl.parallel.sequence_parallel_grads import allreduce_sequence_parallel_gra
 from mtl.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from mtl.parallel.testing import run_distributed
 from mtl.parallel.topology import Topology
+from mtl.parallel.param_layout import set_param_layout
 
 
 class NormColumnLinear(ColumnParallelLinear):
@@ -43,7 +44,7 @@ class NormMLP(nn.Module):
             topology=topology, sequence_parallel=sequence_parallel, stride=2 if self.gated else 1)
         if self.gated:
             for param in self.linear_fc1.parameters():
-                param.tp_stride = 2
+                set_param_layout(param, tp_stride=2)
         self.linear_fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, bias=bias, init_std=output_init_std,
                                             topology=topology, sequence_parallel=sequence_parallel)
 

@@ -3,6 +3,7 @@
 from mtl.core.config_io import load_config
 from mtl.core.plugins import registry
 from mtl.models.gpt import flops
+from mtl.parallel.param_layout import param_layout
 
 
 def reference_llama(*overrides):
@@ -62,7 +63,7 @@ def test_moe_counts_the_active_parameters_of_the_built_model():
     for name, p in model.named_parameters():
         if p.dim() < 2 or name.startswith("embedding"):
             continue  # norms and biases are not GEMMs; an embedding is a lookup
-        share = m.moe_top_k / m.num_experts if getattr(p, "expert_split_dim", None) is not None else 1.0
+        share = m.moe_top_k / m.num_experts if param_layout(p).expert_split_dim is not None else 1.0
         active += p.numel() * share
     tokens = 32 * m.seq_length
     scores = 2 * m.num_attention_heads * m.head_dim * m.seq_length * m.num_layers  # causal-halved QK^T and PV

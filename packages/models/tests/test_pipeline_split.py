@@ -8,6 +8,7 @@ from mtl.core.errors import ConfigError
 from mtl.models.gpt import build_gpt
 from mtl.models.initialization import initialize_parameters
 from mtl.models.param_layout import WORD_EMBEDDING, gather_global_state
+from mtl.parallel.param_layout import param_layout
 
 
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
@@ -35,8 +36,8 @@ def test_two_stages_equal_the_full_model(make_config, backend, single, style):
     stage_grads = [gather_global_state(stage, single, grads=True) for stage in (first, last)]
     if config.model.tie_embeddings:
         # each stage holds one use of the tied weight; the pipeline all-reduces the two
-        assert first.embedding.word_embeddings.weight.shared_embedding
-        assert last.output_layer.weight.shared_embedding
+        assert param_layout(first.embedding.word_embeddings.weight).shared_embedding
+        assert param_layout(last.output_layer.weight).shared_embedding
         assert torch.equal(last.output_layer.weight, first.embedding.word_embeddings.weight)
         tied = stage_grads[0].pop(WORD_EMBEDDING) + stage_grads[1].pop(WORD_EMBEDDING)
         torch.testing.assert_close(tied, full_grads.pop(WORD_EMBEDDING), rtol=1e-6, atol=1e-6)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from mtl.core import hookspecs
 from mtl.core.errors import ConfigError, ParallelError
 from mtl.parallel.backend_local import CoreAttention, LayerNorm, RMSNorm
+from mtl.parallel.param_layout import param_layout
 
 
 def local_backend_from_entry_point():
@@ -31,7 +32,7 @@ def test_entry_point_registers_local_backend_with_contract_factories():
     y = row(col(x))
     assert y.shape == (5, 2, 16)
     torch.testing.assert_close(y, (x @ col.weight.T + col.bias) @ row.weight.T)
-    assert col.weight.tp_split_dim == 0 and col.bias.tp_split_dim == 0 and row.weight.tp_split_dim == 1
+    assert [param_layout(p).tp_split_dim for p in (col.weight, col.bias, row.weight)] == [0, 0, 1]
     assert abs(col.weight.std().item() - 0.02) < 0.005 and torch.all(col.bias == 0)
     assert isinstance(backend.norm(16, kind="layernorm", eps=1e-5), LayerNorm)
     attn = backend.core_attention(num_heads=4, num_query_groups=2, head_dim=8, causal=True, dropout=0.0, topology=None)

@@ -24,6 +24,7 @@ from mtl.parallel.testing import run_distributed
 from mtl.parallel.topology import Topology
 from mtl.train.checkpointing import _replica_id
 from mtl.train.testing import LOSS_RTOL, MOE_LAYOUTS, MOE_TINY, assemble, compare_with_reference, run_tiny
+from mtl.parallel.param_layout import set_param_layout
 
 MOE = MOE_TINY
 NO_AUX = ["model.moe_aux_loss_coeff=0.0", "model.moe_z_loss_coeff=0.0"]
@@ -117,7 +118,7 @@ def test_one_writer_per_box_of_every_expert_tensor():
     written by one of them; dense tensors by one rank per TP box, as before."""
     tp, dp, ep = 2, 4, 2
     expert = nn.Parameter(torch.zeros(2, 3))
-    expert.expert_split_dim, expert.tp_split_dim = 0, 1
+    set_param_layout(expert, expert_split_dim=0, tp_split_dim=1)
     dense = nn.Parameter(torch.zeros(3))  # replicated over TP too
     for index in range(6):  # the turn moves with the parameter's index
         for param, box_of in ((expert, lambda t: (t.ep_rank, t.tp_rank)), (dense, lambda t: ())):

@@ -15,6 +15,7 @@ from mtl.core.errors import ParallelError
 from mtl.parallel.ddp import DataParallel
 from mtl.parallel.testing import run_distributed
 from mtl.parallel.topology import Topology
+from mtl.parallel.param_layout import param_layout, set_param_layout
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 TINY_BUCKET_MB = 60 * 4 / 2**20  # 60 fp32 elements: the MLP below spans 3 buckets
@@ -52,7 +53,7 @@ def dp2_gradients_match():
             label = f"overlap={overlap} distributed_optimizer={dist_opt}"
             module = make_mlp()
             if dist_opt:  # a tied embedding's bucket must come back whole for the pipeline's sum
-                module[0].weight.shared_embedding = True
+                set_param_layout(module[0].weight, shared_embedding=True)
             if topo.dp_rank == 1:  # construction must broadcast rank 0's parameters
                 with torch.no_grad():
                     for p in module.parameters():
@@ -77,7 +78,7 @@ def dp2_gradients_match():
                 model.finish_grad_sync()  # idempotent: a second call must not reduce again
                 assert model.num_collectives_launched == len(model.buckets), label
                 for p, g_ref in zip(model.parameters(), reference_grads(step)):
-                    if dist_opt and not getattr(p, "shared_embedding", False):
+                    if dist_opt and not param_layout(p).shared_embedding:
                         first, last = p.dp_owned_grad_range
                         torch.testing.assert_close(p.grad.view(-1)[first:last], g_ref.view(-1)[first:last],
                                                    **TOL, msg=label)

@@ -19,6 +19,7 @@ from mtl.parallel.expert_parallel import TokenExchange
 from mtl.parallel.optimizer import build_optimizer
 from mtl.parallel.testing import run_distributed
 from mtl.parallel.topology import Topology
+from mtl.parallel.param_layout import set_param_layout
 
 HIDDEN, NUM_EXPERTS, TOKENS, STEPS = 4, 4, 6, 3
 ADAMW = dict(lr=0.05, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -36,7 +37,7 @@ class ToyMoE(nn.Module):
         self.expert_weight = nn.Parameter(full["expert_weight"][first : first + num_local].clone())
         self.expert_bias = nn.Parameter(full["expert_bias"][first : first + num_local].clone())
         for p in (self.expert_weight, self.expert_bias):
-            p.expert_split_dim = 0
+            set_param_layout(p, expert_split_dim=0)
         self.num_local, self.ep_group = num_local, ep_group
 
     def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:

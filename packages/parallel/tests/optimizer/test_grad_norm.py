@@ -16,6 +16,7 @@ from mtl.core.errors import MtlError, ParallelError
 from mtl.parallel.optimizer import check_for_nan, clip_grad_norm
 from mtl.parallel.testing import run_distributed
 from mtl.parallel.topology import Topology
+from mtl.parallel.param_layout import set_param_layout
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 
@@ -35,10 +36,7 @@ def local_params(topo: Topology, stages, tied) -> list[nn.Parameter]:
     def param(grad, split_dim=None, shared=False):
         p = nn.Parameter(torch.zeros_like(grad))
         p.grad = grad.clone()
-        if split_dim is not None:
-            p.tp_split_dim = split_dim
-        if shared:
-            p.shared_embedding = True
+        set_param_layout(p, tp_split_dim=split_dim, shared_embedding=shared)
         return p
 
     return [

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from mtl.parallel.pipeline import allreduce_shared_embedding_grads, forward_backward, stage_layer_range
 from mtl.parallel.pipeline import p2p
 from mtl.parallel.topology import Topology
+from mtl.parallel.param_layout import param_layout
 
 WORLD2_CASES = [
     dict(name="1f1b", pp=2, num_layers=4, micro_batches=4),
@@ -96,7 +97,7 @@ def run_case(case: dict, device: torch.device = torch.device("cpu")) -> dict:
         no_sync_func=no_sync_func,
     )
     params = {name: p for chunk in chunks for name, p in chunk.params.items()}
-    before_sync = {n: p.grad.to("cpu", copy=True) for n, p in params.items() if getattr(p, "shared_embedding", False)}
+    before_sync = {n: p.grad.to("cpu", copy=True) for n, p in params.items() if param_layout(p).shared_embedding}
     allreduce_shared_embedding_grads(chunks, topology)
     return dict(
         pp_rank=topology.pp_rank,

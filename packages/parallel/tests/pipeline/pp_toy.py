@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtl.parallel.param_layout import set_param_layout
+
 VOCAB, HIDDEN, SEQ, MICRO_BATCH = 16, 8, 4, 2
 TENSOR_SHAPE = (SEQ, MICRO_BATCH, HIDDEN)  # [s, b, h] passed between stages
 
@@ -47,7 +49,7 @@ class ToyChunk(nn.Module):
         self.params = nn.ParameterDict()
         if pre_process:
             self.params["embedding"] = copy.deepcopy(full.embedding.weight)
-            self.params["embedding"].shared_embedding = full.tied
+            set_param_layout(self.params["embedding"], shared_embedding=full.tied)
         for i in range(start, end):
             self.params[f"layer{i}_weight"] = copy.deepcopy(full.layers[i].weight)
             self.params[f"layer{i}_bias"] = copy.deepcopy(full.layers[i].bias)
@@ -55,7 +57,7 @@ class ToyChunk(nn.Module):
         if post_process and not (full.tied and pre_process):  # one stage: the tie is one tensor
             source = full.embedding.weight if full.tied else full.head.weight
             self.params["head"] = copy.deepcopy(source)
-            self.params["head"].shared_embedding = full.tied
+            set_param_layout(self.params["head"], shared_embedding=full.tied)
         self.input_tensor = None
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:

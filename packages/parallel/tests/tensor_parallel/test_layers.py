@@ -13,6 +13,7 @@ from mtl.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from mtl.parallel.tensor_parallel.sharding import full_from_shards
 from mtl.parallel.testing import run_distributed
 from mtl.parallel.topology import Topology
+from mtl.parallel.param_layout import param_layout
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 S, B, H, FFN = 8, 2, 16, 32
@@ -56,8 +57,8 @@ def mlp_equivalence(sequence_parallel: bool, device: str):
     col.load_full(t["w1"], t["b1"])
     row.load_full(t["w2"], t["b2"])
     assert col.weight.shape == (FFN // 2, H) and row.weight.shape == (H, FFN // 2)
-    assert col.weight.tp_split_dim == 0 and col.bias.tp_split_dim == 0 and row.weight.tp_split_dim == 1
-    assert not hasattr(row.bias, "tp_split_dim")
+    assert [param_layout(p).tp_split_dim for p in (col.weight, col.bias, row.weight)] == [0, 0, 1]
+    assert param_layout(row.bias).tp_split_dim is None
 
     x_full = t["x"]
     dy = t["dy"]
@@ -97,7 +98,7 @@ def strided_column(sequence_parallel: bool, device: str):
 
     col = ColumnParallelLinear(H, FFN, bias=False, topology=topo, stride=2, sequence_parallel=sequence_parallel, device=device)
     col.load_full(t["w1"])
-    assert col.weight.tp_partition_stride == 2
+    assert param_layout(col.weight).tp_stride == 2
     x = (t["x"].chunk(2, dim=0)[topo.tp_rank] if sequence_parallel else t["x"]).clone().requires_grad_()
     y = col(x)  # [s, b, ffn/tp] = [my gate half | my up half]
     gate_ref, up_ref = y_ref.chunk(2, dim=-1)

@@ -204,7 +204,7 @@ def test_fused_at_tp2_on_gpus_with_nccl():
 def test_on_a_gpu_eager_and_compiled_kernels(tied):
     """On CUDA: fp32 (TF32 off) equal to the unfused path; under bf16 autocast close to it;
     the compiled (Triton) chunk kernels give the eager kernels' numbers."""
-    from mtl.parallel.tensor_parallel import linear_cross_entropy as lce
+    from mtl.parallel.tensor_parallel.linear_cross_entropy_kernels import CHUNK_KERNELS
 
     torch.backends.cuda.matmul.allow_tf32 = False
     for compiled in (False, True):
@@ -214,7 +214,7 @@ def test_on_a_gpu_eager_and_compiled_kernels(tied):
         ref = run_head(None, tied, False, False, 10**9, device="cuda", autocast=True)
         out = run_head(None, tied, False, True, 10**9, device="cuda", autocast=True, compile=compiled)
         compare(out, ref, dict(rtol=1e-2, atol=1e-3))
-    assert not lce._KERNELS._failed, "torch.compile of the chunk kernels failed"
+    assert not CHUNK_KERNELS._failed, "torch.compile of the chunk kernels failed"
 
 
 def padding_only_rank_case():
@@ -291,7 +291,7 @@ def test_no_grad_evaluation():
 def test_compiled_chunk_kernels_equal_eager():
     """compile=True (what train.compile turns on): the chunk kernels through torch.compile
     (inductor builds them with the machine's C++ compiler on CPU) give the eager numbers."""
-    from mtl.parallel.tensor_parallel import linear_cross_entropy as lce
+    from mtl.parallel.tensor_parallel.linear_cross_entropy_kernels import CHUNK_KERNELS
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(100, H, generator=g)
@@ -306,6 +306,6 @@ def test_compiled_chunk_kernels_equal_eager():
                                         save_logits=save_logits)
             (loss * weights).sum().backward()
             results.append((loss.detach(), xs.grad, ws.grad))
-        assert not lce._KERNELS._failed, "torch.compile of the chunk kernels failed"
+        assert not CHUNK_KERNELS._failed, "torch.compile of the chunk kernels failed"
         for eager, compiled in zip(*results):
             torch.testing.assert_close(compiled, eager, **FP32)

@@ -9,6 +9,7 @@ from mtl.core.errors import ParallelError
 from mtl.parallel.tensor_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from mtl.parallel.testing import run_distributed
 from mtl.parallel.topology import Topology
+from mtl.parallel.param_layout import param_layout
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 V, H, B, S = 32, 16, 2, 6
@@ -35,7 +36,7 @@ def embedding_equivalence(sequence_parallel: bool, device: str):
 
     emb = VocabParallelEmbedding(V, H, topology=topo, sequence_parallel=sequence_parallel, device=device)
     emb.load_full(table)
-    assert emb.weight.shape == (V // 2, H) and emb.weight.tp_split_dim == 0
+    assert emb.weight.shape == (V // 2, H) and param_layout(emb.weight).tp_split_dim == 0
     out = emb(tokens)
     if sequence_parallel:
         assert out.shape == (S // 2, B, H)

@@ -15,6 +15,7 @@ from mtl.parallel.ddp import DataParallel
 from mtl.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mtl.parallel.tensor_parallel.wgrad_fusion import enable_wgrad_fusion
 from mtl.parallel.topology import Topology
+from mtl.parallel.param_layout import set_param_layout
 
 
 class Pair(nn.Module):
@@ -120,7 +121,7 @@ def test_a_weight_tied_to_an_embedding_is_not_fused():
     assert enable_wgrad_fusion(module) == 2
     assert not getattr(module.head.weight, "wgrad_fused", False)
     stage_copy = Pair()
-    stage_copy.head.weight.shared_embedding = True  # a last stage's copy, summed with the first's
+    set_param_layout(stage_copy.head.weight, shared_embedding=True)  # a last stage's copy, summed with the first's
     assert enable_wgrad_fusion(stage_copy) == 2
 
 

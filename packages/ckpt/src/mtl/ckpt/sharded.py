@@ -66,7 +66,7 @@ class ShardedTensor:
         cls, key: str, data: torch.Tensor, split_dim: int | None, rank: int, world: int, replica_id: int = 0
     ) -> "ShardedTensor":
         """The common case of a tensor split evenly along ``split_dim`` over ``world`` ranks
-        (a TP weight with ``tp_split_dim``), or replicated when ``split_dim`` is None."""
+        (a TP weight split on its layout's ``tp_split_dim``), or replicated when ``split_dim`` is None."""
         global_shape = list(data.shape)
         global_offset = [0] * data.dim()
         if split_dim is not None:

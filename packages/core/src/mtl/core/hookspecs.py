@@ -34,7 +34,7 @@ def mtl_backends() -> list[Backend]:
     ``mtl.core.registrations.Backend``; in short:
 
     - required: ``column_linear``, ``row_linear`` (Megatron's column/row tensor-parallel
-      contract, sequence-first ``[s, b, h]``, every split parameter tagged ``tp_split_dim``),
+      contract, sequence-first ``[s, b, h]``, every split parameter's layout record giving its ``tp_split_dim``),
       ``norm`` and ``core_attention``;
     - optional fusion: ``norm_column_linear`` (norm + column linear, TE's LayerNormLinear) and
       ``norm_mlp`` (norm + the whole MLP, TE's LayerNormMLP). The layer spec asks for them
@@ -59,9 +59,10 @@ def mtl_model_families() -> list[ModelFamily]:
       states ``[s(/tp), b, h]`` on a stage without ``post_process``; ``set_input_tensor``,
       ``compile_units()``, ``pre_process`` / ``post_process`` and ``config``. Callers build
       through ``model_protocol.build_model``, which names the family and the missing member.
-    - Parameters say how they start and how they are laid out: ``init_kind`` (``tag_init``),
-      ``tp_split_dim`` / ``tp_stride``, ``expert_split_dim``, ``vocab_rows``; initialisation,
-      the checkpoint layout and data parallelism read these attributes, not name patterns.
+    - Parameters say how they start (``init_kind``, ``tag_init``) and how they are laid out
+      (one ``mtl.parallel.param_layout.ParamLayout`` record: ``tp_split_dim`` / ``tp_stride``,
+      ``expert_split_dim``, ``vocab_rows``, ...); initialisation, the checkpoint layout and
+      data parallelism read these, not name patterns.
     - A gpt-like family reuses ``GPTModel`` and supplies only ``layer_spec(config, backend)``.
     - ``flops_per_iteration(config)`` feeds TFLOP/s, MFU and ``--dry-run``, and
       ``layer_flops_per_iteration(config)`` (each layer's part) ``--dry-run``'s pipeline shares;

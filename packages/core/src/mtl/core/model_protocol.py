@@ -55,13 +55,15 @@ class LanguageModel(Protocol):
 
     Its parameters: named by global position (``layers.{i}.…`` with ``i`` the layer's index
     in the whole model), so a checkpoint written by one pipeline split loads into another;
-    each carries ``init_kind`` (one of ``INIT_KINDS``, see ``tag_init``); a tensor-parallel
-    one carries ``tp_split_dim`` (and ``tp_stride`` when it fuses strided parts); one holding
-    this expert-parallel rank's block of experts carries ``expert_split_dim`` (its gradients are
-    then reduced over the ranks holding the same experts); a vocabulary table carries ``vocab_rows``; the word embedding is
+    each carries ``init_kind`` (one of ``INIT_KINDS``, see ``tag_init``) and, where it is not
+    replicated, one layout record (``mtl.parallel.param_layout.ParamLayout``, set with
+    ``set_param_layout``): a tensor-parallel one records ``tp_split_dim`` (and ``tp_stride``
+    when it fuses strided parts); one holding this expert-parallel rank's block of experts
+    records ``expert_split_dim`` (its gradients are then reduced over the ranks holding the
+    same experts); a vocabulary table records ``vocab_rows``; the word embedding is
     ``embedding.word_embeddings.weight`` and the LM head ``output_layer.weight`` (a tied copy
-    on a last stage carries ``shared_embedding`` and, in ``tied_global_name``, the name of the
-    parameter it copies). The checkpoint layout and initialisation read only these attributes.
+    on a last stage records ``shared_embedding`` and, in ``tied_global_name``, the name of the
+    parameter it copies). The checkpoint layout and initialisation read only these.
     """
 
     config: Any

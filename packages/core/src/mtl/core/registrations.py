@@ -50,7 +50,7 @@ class Backend:
       output_init_std, topology, sequence_parallel) -> nn.Module``: the whole MLP block,
       ``forward(x) == fc2(act(fc1(norm(x))))`` with ``activation`` "gelu" or "swiglu"; its
       parameters are named and laid out as ``mtl.models.gpt.mlp.MLP``'s: ``linear_fc1.weight``
-      ``[fc1_width/tp, h]`` (SwiGLU: ``[gate_local; up_local]``, tagged ``tp_stride = 2``),
+      ``[fc1_width/tp, h]`` (SwiGLU: ``[gate_local; up_local]``, recorded ``ParamLayout.tp_stride = 2``),
       ``linear_fc2.weight`` ``[h, ffn/tp]``, and their biases.
 
     FP8: ``fp8_recipes`` lists the ``train.fp8`` recipes the backend implements

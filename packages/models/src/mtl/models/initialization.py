@@ -26,6 +26,7 @@ from mtl.core.config import RunConfig
 from mtl.core.errors import PluginError
 from mtl.core.model_protocol import INIT_KINDS, tag_init
 from mtl.models.param_layout import box, parameter_entries
+from mtl.parallel.param_layout import param_layout
 
 __all__ = ["INIT_KINDS", "initial_value", "initialize_parameters", "kind_from_name", "output_init_std",
            "tag_init", "tag_weights"]
@@ -91,7 +92,7 @@ def initialize_parameters(model: nn.Module, seed: int, topology) -> None:
             continue
         if not entry.param.requires_grad:  # a backend's state (an FP8 amax history): its module set it
             continue
-        if hasattr(entry.param, "vocab_rows"):
+        if param_layout(entry.param).vocab_rows is not None:
             entry.param.data.zero_()  # padding rows: zero, and never read (see param_layout)
         local = entry.view(entry.param.data)
         kind = getattr(entry.param, "init_kind", None) or kind_from_name(entry.global_name)

@@ -1,22 +1,23 @@
 """Where each rank's parameter shard sits inside the layout-independent global tensor.
 
 The global tensor of a parameter is the same whatever the TP degree; each rank holds one
-contiguous box of it. Checkpoints, the HF converters and the initializer all use this map:
+contiguous box of it. Checkpoints, the HF converters and the initializer all use this map,
+computed from each parameter's ``ParamLayout`` record (``mtl.parallel.param_layout``):
 
-- a TP parameter carries ``param.tp_split_dim``; its box is ``tp_rank``'s equal slice of it;
+- a TP parameter's record has a ``tp_split_dim``; its box is ``tp_rank``'s equal slice of it;
 - fused QKV rows are ordered group-major (``[g0: its q heads, k, v][g1: ...]``), so a split
   over query groups is already a contiguous slice of dim 0;
-- a fused SwiGLU fc1 (tagged ``param.tp_stride = 2``) holds ``[gate_local; up_local]``, i.e.
+- a fused SwiGLU fc1 (recorded ``tp_stride = 2``) holds ``[gate_local; up_local]``, i.e.
   ``[2 * ffn_local, h]``; it is presented as ``[2, ffn, h]`` split on dim 1, so that its
   global tensor does not depend on TP (in general: dim ``tp_split_dim`` of size
   ``stride * n_local`` is presented as ``[stride, n_local]``, split on the second);
-- an expert tensor (``param.expert_split_dim = 0``, ``mtl.models.moe.experts``) holds the
+- an expert tensor (recorded ``expert_split_dim = 0``, ``mtl.models.moe.experts``) holds the
   ``E / ep`` experts of this rank's ``topology.ep_rank``: its box on dim 0 starts at
   ``ep_rank * E / ep`` of the global ``[E, ...]`` tensor (inside each expert, TP splits as above);
 - a weight that is a pipeline stage's copy of another stage's parameter (a last-stage output
-  weight tied to the word embedding) names that parameter in ``param.tied_global_name`` and is
+  weight tied to the word embedding) names that parameter in its ``tied_global_name`` and is
   listed under it: the same global tensor, whatever the family calls either module;
-- a vocabulary table (the word embedding, the output layer) tagged with ``param.vocab_rows``
+- a vocabulary table (the word embedding, the output layer) recorded with ``vocab_rows``
   is padded to a multiple of 128·tp rows so every TP rank holds an equal slice, but its
   global tensor has only the true vocabulary's ``vocab_rows`` rows: a rank's box is the part
   of its slice below that row (empty on a rank holding only padding). The padding is thus
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from mtl.core.errors import ParallelError
+from mtl.parallel.param_layout import param_layout, set_param_layout
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"  # gpt's word embedding (its tied output's global name)
 
@@ -38,8 +40,17 @@ Layout = dict[str, tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]
 
 
 def mark_vocab_rows(param: nn.Parameter, vocab_size: int) -> None:
-    """Tag a vocabulary-split table: rows at or past ``vocab_size`` (global) are padding."""
-    param.vocab_rows = vocab_size
+    """Record a vocabulary-split table: rows at or past ``vocab_size`` (global) are padding."""
+    set_param_layout(param, vocab_rows=vocab_size)
+
+
+def mark_tied_copy(first_stage_param: nn.Parameter | None, last_stage_param: nn.Parameter | None,
+                   global_name: str) -> None:
+    """Record a tied table split over pipeline stages: each stage's copy (``None`` where this
+    stage holds no copy) is summed with the other's by the pipeline, and the last stage's is
+    listed under the first's global name (one global tensor in checkpoints)."""
+    set_param_layout(first_stage_param, shared_embedding=True)
+    set_param_layout(last_stage_param, shared_embedding=True, tied_global_name=global_name)
 
 
 @dataclass(frozen=True)
@@ -97,11 +108,12 @@ def parameter_entries(model: nn.Module, topology) -> list[ParamEntry]:
         if split_dim is not None and tp > 1:
             global_shape[split_dim] = local.shape[split_dim] * tp
             global_offset[split_dim] = local.shape[split_dim] * tp_rank
-        expert_dim = getattr(param, "expert_split_dim", None)
+        layout = param_layout(param)
+        expert_dim = layout.expert_split_dim
         if expert_dim is not None and ep > 1:
             global_shape[expert_dim] = local.shape[expert_dim] * ep
             global_offset[expert_dim] = local.shape[expert_dim] * ep_rank
-        vocab_rows = getattr(param, "vocab_rows", None)
+        vocab_rows = layout.vocab_rows
         if vocab_rows is not None:
             if split_dim not in (0, None) or vocab_rows > global_shape[0]:
                 raise ParallelError(
@@ -110,7 +122,7 @@ def parameter_entries(model: nn.Module, topology) -> list[ParamEntry]:
                 )
             global_shape[0] = vocab_rows
             global_offset[0] = min(global_offset[0], vocab_rows)
-        global_name = getattr(param, "tied_global_name", name)
+        global_name = layout.tied_global_name or name
         if global_name in seen:
             raise ParallelError(f"parameters {seen[global_name]} and {name} map to one global tensor {global_name}")
         seen[global_name] = name
@@ -120,7 +132,7 @@ def parameter_entries(model: nn.Module, topology) -> list[ParamEntry]:
 
 def _valid_rows(param: torch.Tensor, local_rows: int, row_offset: int) -> int | None:
     """How many of this rank's rows of a vocabulary table are real (None: not a vocab table)."""
-    vocab_rows = getattr(param, "vocab_rows", None)
+    vocab_rows = param_layout(param).vocab_rows
     if vocab_rows is None:
         return None
     return max(0, min(local_rows, vocab_rows - row_offset))
@@ -128,17 +140,18 @@ def _valid_rows(param: torch.Tensor, local_rows: int, row_offset: int) -> int | 
 
 def _split_dim(param: torch.Tensor) -> int | None:
     """The TP-split dimension in the global view (the second of a strided dim's two)."""
-    split_dim = getattr(param, "tp_split_dim", None)
-    return split_dim + 1 if getattr(param, "tp_stride", 1) != 1 else split_dim
+    layout = param_layout(param)
+    return layout.tp_split_dim + 1 if layout.tp_stride != 1 else layout.tp_split_dim
 
 
 def _global_view(name: str, param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` (shaped like the parameter) with the rank of the global tensor."""
-    stride = getattr(param, "tp_stride", 1)
+    layout = param_layout(param)
+    stride, dim = layout.tp_stride, layout.tp_split_dim
     if stride == 1:
         return tensor
-    dim = getattr(param, "tp_split_dim", None)
-    if dim is None or tensor.shape[dim] % stride or getattr(param, "expert_split_dim", -1) > dim:
+    expert_dim = layout.expert_split_dim
+    if dim is None or tensor.shape[dim] % stride or (expert_dim is not None and expert_dim > dim):
         raise ParallelError(
             f"parameter {name}: tp_stride = {stride} needs a tp_split_dim (have {dim}) whose size is "
             "divisible by the stride, after any expert_split_dim"
@@ -200,8 +213,8 @@ def gather_global_state(model: nn.Module, topology, *, grads: bool = False) -> d
             # gather whole slices (padding included: every rank's is the same size), then cut
             local = _global_view(entry.name, entry.param, source).contiguous()
             full = _all_gather_cat(local, _split_dim(entry.param), topology.tp, group)
-            full = full[: entry.global_shape[0]] if hasattr(entry.param, "vocab_rows") else full
-        expert_dim = getattr(entry.param, "expert_split_dim", None)
+            full = full[: entry.global_shape[0]] if param_layout(entry.param).vocab_rows is not None else full
+        expert_dim = param_layout(entry.param).expert_split_dim
         ep_group = topology.group("ep") if expert_dim is not None and getattr(topology, "ep", 1) > 1 else None
         if ep_group is not None:  # each EP rank holds its own experts
             full = _all_gather_cat(full.contiguous(), expert_dim, topology.ep, ep_group)

@@ -25,19 +25,17 @@ import torch.distributed as dist
 from torch import nn
 
 from mtl.parallel.flat_collectives import sum_param_grads
-
-ATTRIBUTE = "sequence_parallel_grad"
+from mtl.parallel.param_layout import param_layout, set_param_layout
 
 
 def mark_sequence_parallel_grad(param: nn.Parameter | None) -> None:
     """Flag ``param``: its gradient is this rank's share of the sequence, summed over TP at the
     end of each step. Flagging ``None`` (a layer without bias) does nothing."""
-    if param is not None:
-        setattr(param, ATTRIBUTE, True)
+    set_param_layout(param, sequence_parallel_grad=True)
 
 
 def has_sequence_parallel_grad(param: nn.Parameter) -> bool:
-    return getattr(param, ATTRIBUTE, False)
+    return param_layout(param).sequence_parallel_grad
 
 
 def allreduce_sequence_parallel_grads(params: Iterable[nn.Parameter], tp_group) -> int:

@@ -4,7 +4,7 @@
   mtl's topology: ``tp_group``/``tp_size`` come from ``Topology``. Activations are mtl's
   sequence-first ``[s(/tp), b, h]``.
 - Parameter names and layouts are mtl's (``weight``, ``bias``; ``linear_fc1.weight`` ...), every
-  split parameter tagged ``tp_split_dim`` (and SwiGLU's fc1 ``tp_stride = 2``: TE gates the
+  split parameter's ``ParamLayout`` recording its ``tp_split_dim`` (and SwiGLU's fc1 ``tp_stride = 2``: TE gates the
   first half of each rank's fc1 output, so each rank holds ``[gate_local; up_local]`` as mtl
   does), so mtl's initialisation, checkpoints and converters serve TE models unchanged.
 - The fused leaves (``LayerNormLinear``, ``LayerNormMLP``) are handed the layer's norm module and
@@ -28,6 +28,7 @@ from mtl.core.errors import ConfigError
 from mtl.core.log import get_logger
 from mtl.core.registrations import Fp8Settings
 from mtl.parallel.random import get_rng_tracker
+from mtl.parallel.param_layout import set_param_layout
 from mtl.parallel.sequence_parallel_grads import mark_sequence_parallel_grad
 from mtl.te.availability import require_te
 from mtl.te.config_checks import FAST_ACCUMULATION_REFUSED
@@ -67,8 +68,7 @@ def _tag(param: nn.Parameter | None, split_dim: int | None, stride: int = 1) -> 
     if param is None or not isinstance(param, nn.Parameter):
         return
     if split_dim is not None:
-        param.tp_split_dim = split_dim
-        param.tp_partition_stride = stride
+        set_param_layout(param, tp_split_dim=split_dim, tp_stride=stride)
 
 
 def _tp(topology) -> tuple[int, object]:
@@ -308,8 +308,6 @@ class TENormMLP(nn.Module):
         self.fused = fused
         for param in self.linear_fc1.parameters():
             _tag(param, 0, 2 if gated else 1)
-            if gated:
-                param.tp_stride = 2
         _tag(self.linear_fc2.weight, 1)
         if bias and sp:
             mark_sequence_parallel_grad(self.linear_fc2.bias)

@@ -30,6 +30,7 @@ from mtl.core.plugins import registry
 from mtl.models.param_layout import ParamEntry, parameter_entries
 from mtl.parallel.ddp.reduce_group import is_expert_param
 from mtl.parallel.optimizer.adamw_shell import MAIN_PARAM
+from mtl.parallel.param_layout import param_layout
 from mtl.parallel.random import get_rng_tracker
 from mtl.parallel.topology import Topology
 from mtl.train import extra_state
@@ -61,7 +62,7 @@ def _replica_id(topology: Topology, entry: ParamEntry, index: int) -> int:
     else:
         replicas, replica = topology.dp * topology.cp, topology.dp_rank * topology.cp + topology.cp_rank
     turn = index % replicas == replica
-    tp_copy = topology.tp > 1 and getattr(entry.param, "tp_split_dim", None) is None and topology.tp_rank != 0
+    tp_copy = topology.tp > 1 and param_layout(entry.param).tp_split_dim is None and topology.tp_rank != 0
     return int(not turn or tp_copy or entry.is_tied_copy)
 
 

@@ -2,7 +2,7 @@
 
 GELU (GPT-2 style): ``fc2(gelu(fc1(x)))`` with fc1 ``[ffn, h]``. SwiGLU (Llama style):
 fc1 fuses gate and up projections, ``[2 * ffn, h]`` globally, and each TP rank holds
-``[gate_local; up_local]`` (``stride = 2``, tagged ``tp_stride = 2`` for the parameter layout);
+``[gate_local; up_local]`` (``stride = 2``, recorded as ``ParamLayout.tp_stride = 2``);
 ``fc2(silu(gate) * up)``.
 
 ``norm``: the layer's pre-MLP norm, given when fc1 is the backend's fused norm + column
@@ -20,6 +20,7 @@ from torch import nn
 
 from mtl.core.spec import build_module
 from mtl.models.initialization import tag_weights
+from mtl.parallel.param_layout import param_layout, set_param_layout
 from mtl.models.swiglu import swiglu
 
 
@@ -61,8 +62,8 @@ class MLP(nn.Module):
         tag_weights(self.linear_fc1, "normal")
         if self.gated:
             for param in self.linear_fc1.parameters():
-                if hasattr(param, "tp_split_dim"):  # not a backend's replicated state (FP8 amax history)
-                    param.tp_stride = 2
+                if param_layout(param).tp_split_dim is not None:  # not a backend's replicated state (FP8 amax history)
+                    set_param_layout(param, tp_stride=2)
         self.linear_fc2 = build_module(
             submodules.linear_fc2,
             ffn_hidden_size,

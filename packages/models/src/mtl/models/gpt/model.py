@@ -38,7 +38,7 @@ from mtl.models.gpt.rope import RotaryEmbedding
 from mtl.models.gpt.transformer_block import TransformerBlock
 from mtl.models.gpt.transformer_layer import sequence_parallel_norm_kwargs
 from mtl.models.initialization import initialize_parameters, tag_weights
-from mtl.models.param_layout import WORD_EMBEDDING, mark_vocab_rows
+from mtl.models.param_layout import WORD_EMBEDDING, mark_tied_copy, mark_vocab_rows
 from mtl.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from mtl.parallel.tensor_parallel.linear_cross_entropy import output_layer_cross_entropy, supports_fused_cross_entropy
 
@@ -123,10 +123,9 @@ class GPTModel(nn.Module):
         if self.pre_process and self.post_process:
             self.output_layer.weight = self.embedding.word_embeddings.weight
         elif self.pre_process:
-            self.embedding.word_embeddings.weight.shared_embedding = True
+            mark_tied_copy(self.embedding.word_embeddings.weight, None, WORD_EMBEDDING)
         elif self.post_process:
-            self.output_layer.weight.shared_embedding = True
-            self.output_layer.weight.tied_global_name = WORD_EMBEDDING  # one global tensor (param_layout)
+            mark_tied_copy(None, self.output_layer.weight, WORD_EMBEDDING)
 
     def compile_units(self) -> list[nn.Module]:
         """What ``train.compile`` compiles, one region each: the transformer layers (one

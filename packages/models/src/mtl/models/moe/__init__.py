@@ -2,11 +2,12 @@
 its auxiliary losses (counted in backward) and per-step metrics."""
 
 from mtl.models.moe.aux_loss import attach_aux_loss, set_aux_loss_scale
-from mtl.models.moe.dispatch import LocalDispatcher, TokenDispatcher, build_dispatcher
+from mtl.models.moe.dispatch import LocalDispatcher, build_dispatcher
 from mtl.models.moe.experts import GroupedExperts
 from mtl.models.moe.metrics import moe_step_metrics
 from mtl.models.moe.moe_layer import MoELayer, MoESubmodules
 from mtl.models.moe.router import Routing, TopKRouter
+from mtl.models.moe.token_slots import TokenDispatcher
 
 __all__ = [
     "GroupedExperts", "LocalDispatcher", "MoELayer", "MoESubmodules", "Routing", "TokenDispatcher", "TopKRouter",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mtl.models.moe.dispatch import Experts, combine_slots, count_per_expert, sort_slots
+from mtl.models.moe.token_slots import Experts, combine_slots, count_per_expert, sort_slots
 from mtl.parallel.expert_parallel import TokenExchange
 
 

@@ -4,13 +4,14 @@ One parameter per projection holds every local expert, so a checkpoint stores ea
 projection as one global tensor ``[num_experts, ...]``:
 
 - ``linear_fc1.weight`` ``[E/ep, fc1_width/tp, h]``; SwiGLU's fc1 holds ``[gate_local; up_local]``
-  per expert (``tp_stride = 2``, as the dense MLP), so its global tensor is ``[E, 2, ffn, h]``;
+  per expert (``ParamLayout.tp_stride = 2``, as the dense MLP), so its global tensor is ``[E, 2, ffn, h]``;
   GELU's is ``[E, ffn, h]``;
 - ``linear_fc2.weight`` ``[E/ep, h, ffn/tp]``, global ``[E, h, ffn]``.
 
-Tags read by the parameter layout, the initialiser and the parallel code: ``expert_split_dim
-= 0`` (experts split over the ep ranks), ``tp_split_dim`` (the ffn dimension, split over TP as
-Megatron splits experts) and ``init_kind`` (fc2 writes into the residual stream).
+Each weight's ``ParamLayout`` (``mtl.parallel.param_layout``), read by the checkpoint layout and
+the parallel code: ``expert_split_dim = 0`` (experts split over the ep ranks) and
+``tp_split_dim`` (the ffn dimension, split over TP as Megatron splits experts); its
+``init_kind`` (fc2 writes into the residual stream) is read by the initialiser.
 
 ``forward(tokens [N, h], tokens_per_expert [E/ep])`` returns this TP rank's partial sums
 ``[N, h]`` (the caller reduces them over TP). ``torch._grouped_mm`` runs all experts in one
@@ -25,7 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtl.core.errors import ConfigError
+from mtl.core.model_protocol import tag_init
 from mtl.models.swiglu import swiglu
+from mtl.parallel.param_layout import set_param_layout
 
 
 def _ep_size_and_rank(topology) -> tuple[int, int]:
@@ -45,12 +48,8 @@ class _ExpertWeight(nn.Module):
     def __init__(self, shape: tuple[int, ...], *, tp_split_dim: int, tp_stride: int, init_kind: str, init_std: float):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(shape))
-        self.weight.expert_split_dim = 0
-        self.weight.tp_split_dim = tp_split_dim
-        self.weight.tp_partition_stride = tp_stride
-        if tp_stride != 1:
-            self.weight.tp_stride = tp_stride
-        self.weight.init_kind = init_kind
+        set_param_layout(self.weight, expert_split_dim=0, tp_split_dim=tp_split_dim, tp_stride=tp_stride)
+        tag_init(self.weight, init_kind)
         nn.init.normal_(self.weight, std=init_std)
 
 

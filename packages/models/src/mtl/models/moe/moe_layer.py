@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtl.core.model_protocol import tag_init
 from mtl.core.spec import build_module
 from mtl.models.moe.aux_loss import attach_aux_loss
 from mtl.models.moe.dispatch import build_dispatcher
@@ -86,7 +87,7 @@ class MoELayer(nn.Module):
             self.shared_experts = build_module(submodules.shared_experts, topology=topology)
             if shared_expert_gate:  # [h] -> 1, replicated over TP
                 self.shared_experts_gate = nn.Linear(hidden_size, 1, bias=False)
-                self.shared_experts_gate.weight.init_kind = "normal"
+                tag_init(self.shared_experts_gate.weight, "normal")
                 nn.init.normal_(self.shared_experts_gate.weight, std=init_std)
                 if self.sequence_parallel:  # each rank gates its own tokens: a partial gradient
                     mark_sequence_parallel_grad(self.shared_experts_gate.weight)

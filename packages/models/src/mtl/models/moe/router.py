@@ -41,7 +41,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mtl.models.moe.dispatch import count_per_expert
+from mtl.core.model_protocol import tag_init
+from mtl.models.moe.token_slots import count_per_expert
 
 
 @dataclass
@@ -115,7 +116,7 @@ class TopKRouter(nn.Module):
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
         self.capacity_factor = capacity_factor
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
-        self.weight.init_kind = "normal"
+        tag_init(self.weight, "normal")
         nn.init.normal_(self.weight, std=init_std)
 
     def forward(self, hidden: torch.Tensor) -> Routing:

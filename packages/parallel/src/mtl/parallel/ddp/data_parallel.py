@@ -9,7 +9,7 @@
 
 Gradients are averaged over ``topology.group("dp_cp")``: context-parallel ranks see
 different tokens of the same sequences, so they are data parallel for the gradient. Expert
-parameters (``param.expert_split_dim``) live in buffers of their own, reduced over the ranks
+parameters (``ParamLayout.expert_split_dim``, ``mtl.parallel.param_layout``) live in buffers of their own, reduced over the ranks
 holding the same experts (``edp_cp``; see ``reduce_group.py`` for why the divisor stays the
 dp x cp size). With ``use_distributed_optimizer`` the buckets are reduce-scattered instead
 of all-reduced over their buffer's group: only this rank's shard of each bucket holds the
@@ -34,7 +34,7 @@ the TP group at the end of ``finish_grad_sync``, all of them in one all-reduce p
 (``mtl.parallel.sequence_parallel_grads``). With the distributed optimizer only this rank's
 shard of them is then the full gradient, as for every other parameter.
 
-Parameters flagged ``param.shared_embedding`` are averaged over data parallel like any other;
+Parameters whose layout says ``shared_embedding`` are averaged over data parallel like any other;
 their sum over the pipeline's embedding group belongs to the pipeline code. That sum adds
 whole gradients of two differently laid-out stages, so a bucket holding such a parameter is
 all-reduced even with the distributed optimizer (every element valid, not just this rank's

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mtl.core.errors import ParallelError
+from mtl.parallel.param_layout import param_layout
 
 # Shards start on a 16-element boundary (64 bytes in fp32) so fused kernels and NCCL see
 # aligned pointers.
@@ -71,7 +72,7 @@ class Bucket:
 
     @property
     def has_shared_embedding(self) -> bool:
-        return any(getattr(s.param, "shared_embedding", False) for s in self.slots)
+        return any(param_layout(s.param).shared_embedding for s in self.slots)
 
     @property
     def all_ready(self) -> bool:

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import nn
 
+from mtl.parallel.param_layout import param_layout
 from mtl.parallel.topology import Topology
 
 DENSE, EXPERT = "dp_cp", "edp_cp"
 
 
 def is_expert_param(param: nn.Parameter) -> bool:
-    return getattr(param, "expert_split_dim", None) is not None
+    return param_layout(param).expert_split_dim is not None
 
 
 @dataclass(frozen=True)

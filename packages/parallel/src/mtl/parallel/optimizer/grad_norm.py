@@ -1,18 +1,19 @@
 """The global gradient L2 norm over every parallel group, clipping, and a NaN-loss check.
 
-Each element of the model's gradient is counted exactly once:
+Each element of the model's gradient is counted exactly once, by the parameter's ``ParamLayout``
+(``mtl.parallel.param_layout``):
 
-- a TP-split parameter (``param.tp_split_dim`` set) holds a different slice on each TP rank:
+- a TP-split parameter (``tp_split_dim`` set) holds a different slice on each TP rank:
   its squares are summed over the TP group;
 - a replicated parameter is the same on every TP rank: only ``tp_rank == 0`` counts it;
 - pipeline stages hold different layers: summed over the pipeline group; the last stage's
-  copy of a tied embedding (``param.shared_embedding`` on a stage other than the first)
+  copy of a tied embedding (``shared_embedding`` on a stage other than the first)
   repeats the first stage's and is not counted;
 - with the distributed optimizer each dp x cp rank holds the reduced gradient of its own
   flat range of each parameter only (``param.dp_owned_grad_range``): that range is counted
   and the squares are summed over ``dp_cp`` too. Without it the gradients are identical
   across dp x cp and counted as they are.
-- expert parameters (``param.expert_split_dim``) differ across the expert-parallel group
+- expert parameters (``expert_split_dim`` set) differ across the expert-parallel group
   (each rank holds other experts): without the distributed optimizer their squares are
   summed over ``ep`` (they are identical across the ranks holding the same experts); with it
   each of those ranks holds its own shard, and the ``dp_cp`` sum (= ep x edp_cp) covers every
@@ -30,6 +31,7 @@ from torch import nn
 from mtl.core.errors import MtlError, ParallelError
 from mtl.parallel.ddp.grad_buffer import accumulated_grad
 from mtl.parallel.ddp.reduce_group import is_expert_param
+from mtl.parallel.param_layout import param_layout
 from mtl.parallel.topology import Topology
 
 # As torch.nn.utils.clip_grad_norm_: keeps the coefficient finite for a zero norm.
@@ -39,9 +41,9 @@ CLIP_EPS = 1e-6
 def _counted_grad(param: nn.Parameter, topology: Topology, grads_are_dp_sharded: bool) -> torch.Tensor | None:
     """The part of the gradient (``accumulated_grad``) this rank contributes to the norm
     (None: nothing)."""
-    if getattr(param, "tp_split_dim", None) is None and topology.tp_rank != 0:
+    if param_layout(param).tp_split_dim is None and topology.tp_rank != 0:
         return None
-    if getattr(param, "shared_embedding", False) and not topology.is_first_stage:
+    if param_layout(param).shared_embedding and not topology.is_first_stage:
         return None
     if not grads_are_dp_sharded:
         return accumulated_grad(param)

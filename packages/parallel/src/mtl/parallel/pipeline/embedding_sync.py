@@ -10,11 +10,12 @@ from __future__ import annotations
 from torch import nn
 
 from mtl.parallel.flat_collectives import sum_param_grads
+from mtl.parallel.param_layout import param_layout
 
 
 def shared_embedding_params(model_chunks: list[nn.Module]) -> list[nn.Parameter]:
     """Parameters flagged ``param.shared_embedding = True``, in chunk then registration order."""
-    return [p for chunk in model_chunks for p in chunk.parameters() if getattr(p, "shared_embedding", False)]
+    return [p for chunk in model_chunks for p in chunk.parameters() if param_layout(p).shared_embedding]
 
 
 def allreduce_shared_embedding_grads(model_chunks: list[nn.Module], topology) -> None:

@@ -1,6 +1,6 @@
 """The shard arithmetic of tensor parallelism, in one place.
 
-A TP parameter holds a contiguous slice of its global tensor along ``tp_split_dim``. With
+A TP parameter holds a contiguous slice of its global tensor along its ``ParamLayout.tp_split_dim``. With
 ``stride > 1`` (a fused weight such as QKV, or gate/up of SwiGLU) the global dimension is
 first cut into ``stride`` equal blocks and each rank holds its slice *of every block*, so each
 rank keeps whole heads of Q, K and V instead of "all of Q" on rank 0.

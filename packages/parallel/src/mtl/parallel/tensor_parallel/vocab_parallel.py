@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from mtl.core.model_protocol import tag_init
+from mtl.parallel.param_layout import set_param_layout
 from mtl.parallel.tensor_parallel import mappings
 from mtl.parallel.tensor_parallel.embedding_grad import embedding
-from mtl.parallel.tensor_parallel.layers import mark_tp_split
 from mtl.parallel.tensor_parallel.sharding import divide, shard_of, tp_size_and_rank
 from mtl.parallel.tensor_parallel.wgrad_fusion import fused_main_grad
 
@@ -32,6 +32,9 @@ def vocab_range(vocab_size: int, tp: int, tp_rank: int) -> tuple[int, int]:
 
 class VocabParallelEmbedding(nn.Module):
     """tokens ``[b, s]`` (int64) -> embeddings ``[s, b, h]`` (``[s/tp, b, h]`` under SP)."""
+
+    # enable_wgrad_fusion keeps a table shared with the output layer on the hook's path
+    word_embedding_table = True
 
     def __init__(
         self,
@@ -53,7 +56,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(self.vocab_end - self.vocab_start, embedding_dim, dtype=params_dtype, device=device)
         )
-        mark_tp_split(self.weight, 0)
+        set_param_layout(self.weight, tp_split_dim=0)
         tag_init(self.weight, "normal")
         self.init_std = init_std
         self.accumulates_main_grad = False  # enable_main_grad_accumulation switches it on

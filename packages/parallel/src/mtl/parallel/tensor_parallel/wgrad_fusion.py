@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtl.parallel.param_layout import param_layout
+
 
 # A torch.library.Library op rather than torch.library.custom_op: it runs for every linear in
 # every micro-batch, and custom_op's Python wrapper costs the host several microseconds more
@@ -103,13 +105,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 def enable_wgrad_fusion(module: nn.Module) -> int:
     """Fuse the weight-gradient accumulation of every weight in ``module`` whose only holders
-    are local tensor-parallel linears with ``F.linear`` as their GEMM (a backend overriding
-    ``local_linear`` keeps its own backward), or backend modules that accumulate into
-    ``main_grad`` themselves (the contract below; mtl-quant's FP8 linears, mtl-te's modules,
-    the word embedding ``VocabParallelEmbedding``). A weight tied to anything else, the word
-    embedding tied to the output layer, or to another pipeline stage's copy
-    (``shared_embedding``) keeps the hook's path. Returns how many weights were switched on;
-    it takes effect only where the weight also has a ``main_grad``.
+    are modules whose GEMM is ``linear`` above (they say so with ``gemm_accumulates_main_grad``:
+    the tensor-parallel linears, unless a backend overrides their ``local_linear``, which then
+    keeps its own backward), or backend modules that accumulate into ``main_grad`` themselves
+    (the contract below; mtl-quant's FP8 linears, mtl-te's modules, the word embedding
+    ``VocabParallelEmbedding``). A weight tied to anything else, the word embedding (a module
+    with ``word_embedding_table = True``) tied to the output layer, or to another pipeline
+    stage's copy (``ParamLayout.shared_embedding``) keeps the hook's path. Returns how many
+    weights were switched on; it takes effect only where the weight also has a ``main_grad``.
 
     The contract for another backend's module (e.g. mtl-te's, over Transformer Engine's
     ``fuse_wgrad_accumulation``): it defines ``main_grad_accumulation_params()``, the weights
@@ -123,9 +126,6 @@ def enable_wgrad_fusion(module: nn.Module) -> int:
     accumulate into ``main_grad`` (that gradient would be dropped).
     Switched on, such a module must find ``param.main_grad`` at every backward (the trainer
     calls this only with fp32 gradient buffers, which give every weight one)."""
-    from mtl.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from mtl.parallel.tensor_parallel.vocab_parallel import VocabParallelEmbedding
-
     # backend modules that accumulate themselves -> the ids of the weights they claim
     claims = {sub: {id(p) for p in sub.main_grad_accumulation_params()} for sub in module.modules()
               if callable(getattr(sub, "main_grad_accumulation_params", None))}
@@ -138,10 +138,7 @@ def enable_wgrad_fusion(module: nn.Module) -> int:
     def fusable(holder: nn.Module, name: str, param: nn.Parameter) -> bool:
         if id(holder) in claimed.get(id(param), ()):
             return True
-        return name == "weight" and any(
-            isinstance(holder, cls) and type(holder).local_linear is cls.local_linear
-            for cls in (ColumnParallelLinear, RowParallelLinear)
-        )
+        return name == "weight" and getattr(holder, "gemm_accumulates_main_grad", False)
 
     holders: dict[int, list[tuple[nn.Module, str]]] = {}
     params: dict[int, nn.Parameter] = {}
@@ -156,13 +153,13 @@ def enable_wgrad_fusion(module: nn.Module) -> int:
         # The table shared with the output layer keeps the hook's path, as its copies split
         # over pipeline stages (shared_embedding) must: every layout of a tied model then sums
         # the two uses' gradients the same way.
-        return len(held_by) > 1 and any(isinstance(sub, VocabParallelEmbedding) for sub, _ in held_by)
+        return len(held_by) > 1 and any(getattr(sub, "word_embedding_table", False) for sub, _ in held_by)
 
     fused: set[int] = set()
     for key, held_by in holders.items():
         param = params[key]
         if (all(fusable(sub, name, param) for sub, name in held_by) and not tied_word_embedding(held_by)
-                and not getattr(param, "shared_embedding", False)):
+                and not param_layout(param).shared_embedding):
             fused.add(key)
     # A module switches all its weights or none, so a weight it cannot take takes its others
     # out too, which may leave another module sharing one of them short: repeat until stable,
