@@ -70,3 +70,11 @@ def test_a_class_taking_the_new_name_gets_it_without_a_warning(monkeypatch):
         warnings.simplefilter("error")
         layer = build_module(ModuleSpec(LayerWrittenLastRelease, {"hidden_dropout": 0.5}), layer_number=0)
     assert layer.hidden_dropout == 0.5
+
+
+def test_a_spec_still_passing_the_old_name_reaches_a_class_taking_the_new_one(monkeypatch):
+    renamed = RenamedKeyword(old="dropout", new="hidden_dropout", renamed_in="mtl-models 9.1.0", removed_in="9.2.0")
+    monkeypatch.setitem(contract_changes.RENAMED_KEYWORDS, "hidden_dropout", renamed)
+    with pytest.warns(ContractDeprecationWarning, match="rename it in the spec's params"):
+        layer = build_module(ModuleSpec(LayerWrittenLastRelease, {"dropout": 0.5}), layer_number=0)
+    assert layer.hidden_dropout == 0.5

@@ -1,8 +1,8 @@
 """Keywords of the layer-spec contract that were renamed, and the release that renamed them.
 
 ``build_module`` reads this table: a module that still accepts a keyword under its old name
-receives the value under that name, with a ``ContractDeprecationWarning``, for one release
-after the rename; after that the old name is taken out of the table and such a module fails
+receives the value under that name (and a spec that still passes the old name reaches a module
+taking the new one), with a ``ContractDeprecationWarning``, for one release after the rename; after that the old name is taken out of the table and such a module fails
 with the one-line error that names the keyword. Add a row whenever a spec param or a build
 keyword is renamed, and log it in the package's CHANGELOG.md.
 """

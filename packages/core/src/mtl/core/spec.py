@@ -9,7 +9,8 @@ class it names (docs/plugin-guide.md). Before calling, ``build_module`` checks t
 the class's signature: a keyword the class does not accept is a one-line ``PluginError``
 naming the class, the keyword and who supplied it; a keyword renamed within the last release
 (``mtl.core.contract_changes``) reaches a class that still takes the old name under that name,
-with a deprecation warning.
+and a spec still passing the old name reaches a class that takes the new one, each with a
+deprecation warning.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Callable
 
-from mtl.core.contract_changes import RENAMED_KEYWORDS, ContractDeprecationWarning
+from mtl.core.contract_changes import RENAMED_KEYWORDS, ContractDeprecationWarning, RenamedKeyword
 from mtl.core.errors import PluginError
 
 PLUGIN_GUIDE = "docs/plugin-guide.md"
@@ -66,11 +67,15 @@ def fit_keywords(spec: ModuleSpec, call_kwargs: dict[str, Any], build_keywords: 
     fitted, refused = {}, []
     for name, value in call_kwargs.items():
         renamed = RENAMED_KEYWORDS.get(name)
+        old_name_of = next((r for r in RENAMED_KEYWORDS.values() if r.old == name), None)
         if name in accepted:
             fitted[name] = value
-        elif renamed is not None and renamed.old in accepted:
+        elif renamed is not None and renamed.old in accepted:  # a module written before the rename
             warnings.warn(deprecated_message(spec.module, renamed), ContractDeprecationWarning, stacklevel=3)
             fitted[renamed.old] = value
+        elif old_name_of is not None and old_name_of.new in accepted:  # a spec written before it
+            warnings.warn(old_spec_message(spec.module, old_name_of), ContractDeprecationWarning, stacklevel=3)
+            fitted[old_name_of.new] = value
         else:
             refused.append(name)
     if refused:
@@ -98,11 +103,19 @@ def refused_message(module: Callable[..., Any], refused: list[str], build_keywor
     )
 
 
-def deprecated_message(module: Callable[..., Any], renamed) -> str:
+def deprecated_message(module: Callable[..., Any], renamed: RenamedKeyword) -> str:
     return (
         f"{module_name(module)} takes '{renamed.old}', which {renamed.renamed_in} renamed to "
         f"'{renamed.new}'; it receives the value as '{renamed.old}' until {renamed.removed_in}: "
         f"rename the parameter ({PLUGIN_GUIDE})"
+    )
+
+
+def old_spec_message(module: Callable[..., Any], renamed: RenamedKeyword) -> str:
+    return (
+        f"a spec passes '{renamed.old}' to {module_name(module)}, which {renamed.renamed_in} renamed to "
+        f"'{renamed.new}'; it is passed on as '{renamed.new}' until {renamed.removed_in}: rename it in the "
+        f"spec's params ({PLUGIN_GUIDE})"
     )
 
 
