@@ -21,5 +21,5 @@ nox.options.default_venv_backend = "venv"
 @nox.session(python="3.11")
 @nox.parametrize("package", PACKAGES)
 def tests(session, package):
-    session.run("python", "scripts/install.py", "--test", package)
+    session.run_install("python", "scripts/install.py", "--test", package)
     session.run("pytest", "-q", "-c", "pytest.ini", "--rootdir", ".", f"packages/{package}/tests")
