@@ -2,44 +2,24 @@
 
     nox -s "tests(package='core')"      # one package
     nox                       # all of them (slow: one environment each)
+
+The environment is filled by scripts/install.py, the same command a user runs: the package
+with its [test] extra, the mtl packages it declares (transitively, editable from this
+repository) and torch pinned to MTL_TORCH_VERSION (default 2.13.0, the CPU build on this
+machine's disk; an unpinned torch pulls CUDA).
 """
+
+from pathlib import Path
 
 import nox
 
-TORCH = "torch==2.13.0"  # the CPU build on this machine's disk; an unpinned torch pulls CUDA
-# Each package with the mtl packages it depends on, in install order.
-PACKAGES = {
-    "core": [],
-    "parallel": ["core"],
-    "data": ["core"],
-    "ckpt": ["core"],
-    "models": ["core", "parallel"],
-    "train": ["core", "parallel", "models", "data", "ckpt"],
-    "cli": ["core", "parallel", "models", "data", "ckpt", "train"],
-    "quant": ["core", "parallel"],
-    "te": ["core", "parallel"],
-}
-WITH_TEST_EXTRA = {"parallel", "models", "data", "ckpt", "train", "cli", "quant", "te"}
-# Local distributions a package's tests use beyond its own dependencies (not on PyPI).
-TEST_LOCAL = {
-    "ckpt": ["packages/parallel"],  # the multi-rank save/load tests start gloo groups
-    "cli": ["examples/plugins/mtl-example-plugin"],  # `mtl plugins` lists a third-party plugin
-    # the backend suite (mtl.train.backend_suite) trains the tiny model
-    "quant": [f"packages/{p}" for p in ("models", "data", "ckpt", "train")],
-    "te": [f"packages/{p}" for p in ("models", "data", "ckpt", "train")],
-}
+PACKAGES = sorted(path.parent.name for path in Path("packages").glob("*/pyproject.toml"))
 
 nox.options.default_venv_backend = "venv"
 
 
 @nox.session(python="3.11")
-@nox.parametrize("package", list(PACKAGES))
+@nox.parametrize("package", PACKAGES)
 def tests(session, package):
-    session.install(TORCH, "pytest", "pytest-timeout")
-    for dep in PACKAGES[package]:
-        session.install("-e", f"packages/{dep}")
-    for path in TEST_LOCAL.get(package, []):
-        session.install("-e", path)
-    extra = "[test]" if package in WITH_TEST_EXTRA else ""
-    session.install("-e", f"packages/{package}{extra}")
+    session.run_install("python", "scripts/install.py", "--test", package)
     session.run("pytest", "-q", "-c", "pytest.ini", "--rootdir", ".", f"packages/{package}/tests")
