@@ -30,7 +30,7 @@ def resolve_at(cfg: RunConfig, world_size: int) -> RunConfig:
 def check_launch(cfg: RunConfig, nproc_per_node: int) -> None:
     """Raise the error every worker would raise before any compute: the config at this world
     size, the training settings, and what ``ckpt.save``/``ckpt.load`` hold."""
-    from mtl.train.checkpointing import check_checkpoint_dirs
+    from mtl.train.resume import check_checkpoint_dirs
 
     if "LOCAL_RANK" in os.environ:
         raise ConfigError("--nproc-per-node starts torchrun, but this process already runs under it; "
