@@ -54,7 +54,7 @@ class MtlGroup(click.Group):
     def list_commands(self, ctx):
         from mtl.core import plugins
 
-        loaded = plugins._manager is not None  # noqa: SLF001 (whether listing them costs an import of torch)
+        loaded = plugins.plugins_loaded()
         return sorted(set(super().list_commands(ctx)) | (set(self._plugin_commands()) if loaded else set()))
 
     def get_command(self, ctx, name):

@@ -47,6 +47,12 @@ _plugin_dists: dict[str, str] = {}  # plugin name -> distribution that provided 
 load_failures: list[str] = []  # entry points that raised on import, reported on lookups
 
 
+def plugins_loaded() -> bool:
+    """Whether the entry-point group has been loaded in this process (loading it imports every
+    installed plugin, torch among them: ``mtl --help`` lists plugin commands only if it has)."""
+    return _manager is not None
+
+
 def plugin_manager() -> pluggy.PluginManager:
     """The process-wide plugin manager, with the ``mtl`` entry points loaded on first use."""
     global _manager
