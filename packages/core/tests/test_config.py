@@ -109,7 +109,7 @@ def test_a_removed_key_is_named_as_removed_with_why(tmp_path, key):
     section, name = key.split(".")
     with pytest.raises(ConfigError, match=rf"run.toml: {key} was removed in mtl-core 0.2.0: .*; delete the key$"):
         load_config(write(tmp_path, f"[{section}]\n{name} = false\n"))
-    with pytest.raises(ConfigError, match=rf"--set: {key} was removed in mtl-core 0.2.0: .*benchmarks/RESULTS.md"):
+    with pytest.raises(ConfigError, match=rf"--set: {key} was removed in mtl-core 0.2.0: .*benchmarks/log"):
         load_config(None, [f"{key}=true"])
 
 

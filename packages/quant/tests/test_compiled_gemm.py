@@ -1,6 +1,6 @@
 """An FP8 layer under torch.compile, its GEMMs (the ``mtl::fp8_gemm`` op) inside the graph:
 one graph (fullgraph), and the same output and gradients as eager, for the per-tensor and
-row-wise recipes. On CPU; benchmarks/gpu/fp8_check.py checks the same on CUDA."""
+row-wise recipes. On CPU; tests/gpu/test_fp8.py checks the same on CUDA."""
 
 import pytest
 import torch

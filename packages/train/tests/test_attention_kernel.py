@@ -1,7 +1,7 @@
 """``train.attention_kernel = "fa4"``: FlashAttention-4 behind SDPA gives the numbers cuDNN's
 attention gives, compiled, and really runs.
 
-On a Hopper or Blackwell GPU with flash-attn-4 installed (benchmarks/gpu/fa4_install.sh): a
+On a Hopper or Blackwell GPU with flash-attn-4 installed (scripts/gpu/fa4_install.sh): a
 compiled tiny GPT (bf16, grouped-query attention) trains on real text (the demo corpus, byte
 tokenizer) with FA4 and with SDPA's own kernel; the losses agree to bf16's rounding, and the
 profiler sees FA4's kernels (not cuDNN's) in the FA4 run's compiled layers. On any machine: the

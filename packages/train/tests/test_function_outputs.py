@@ -4,7 +4,7 @@ Under torch 2.11's ``torch.compile`` (the GPU machines' release), a custom ``aut
 whose forward mutates a tensor in place and returns that very tensor loses its gradient: the
 tangent reaches the backward as zeros, and the layers before it train on wrong gradients (on 2
 H200s the compiled backward also read past the gradient buffer). torch 2.13, the CI's, compiles it
-right, so no equivalence test here can see it (benchmarks/RESULTS.md, fifteenth session). Hence this
+right, so no equivalence test here can see it (benchmarks/log, fifteenth session). Hence this
 rule, checked in eager: one training step of the tiny model in each layout whose layers call mtl's
 Functions, recording every tensor an op writes in place (its schema's mutable arguments; the result
 argument of torch.distributed's in-place ops) or returns as one of its own inputs (in-place ops,

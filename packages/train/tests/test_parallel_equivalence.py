@@ -1,6 +1,6 @@
 """Every parallel layout trains like one process: same losses for 3 steps, same gradients
 (gathered to full shape) at the last step. fp32 on CPU with gloo; tolerances are in
-``mtl.train.testing`` (the GPU check, benchmarks/gpu/equivalence_nccl.py, uses the same)."""
+``mtl.train.testing`` (the GPU check, tests/gpu/test_equivalence_nccl.py, uses the same)."""
 
 import pytest
 

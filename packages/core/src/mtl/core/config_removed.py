@@ -10,14 +10,14 @@ from mtl.core.errors import ConfigError
 REMOVED_KEYS: dict[str, tuple[str, str, str]] = {
     "parallel.overlap_layer_comm": (
         "0.2.0",
-        "it gave no speed-up on any measured GPU (benchmarks/RESULTS.md: tp=2 + sp 0.903 against "
+        "it gave no speed-up on any measured GPU (benchmarks/log: tp=2 + sp 0.903 against "
         "0.757 s at micro-batch 4, 0.615 against 0.614 s at micro-batch 8, on 2 H200s)",
         "delete the key",
     ),
     "train.compile_cpp_wrapper": (
         "0.2.0",
         "it helped only a tensor-parallel rank bound by its host, which micro-batches of 8 also cure "
-        "(benchmarks/RESULTS.md: tp=2 + sp on 2 H200s 0.612 against 0.614 s there), and torch 2.13's "
+        "(benchmarks/log: tp=2 + sp on 2 H200s 0.612 against 0.614 s there), and torch 2.13's "
         "C++ wrapper cannot call a tensor-parallel layer's collectives",
         "delete the key",
     ),

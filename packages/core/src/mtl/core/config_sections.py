@@ -94,7 +94,7 @@ class ParallelConfig:
     # layer's graphs); "all_gather" gathers every rank's k/v at once (dK/dV reduce-scattered),
     # which compiles with the layer but holds the whole sequence's k/v on each rank.
     # derived: "all_gather" at cp = 2 under train.compile (both keep the whole sequence's k/v
-    # there, and the ring's eager Python bounds the step: benchmarks/RESULTS.md), else "p2p"
+    # there, and the ring's eager Python bounds the step: benchmarks/log), else "p2p"
     cp_comm_type: str | None = None
     ep: int = 1
     sequence_parallel: bool = False
@@ -106,7 +106,7 @@ class ParallelConfig:
     # next piece's data travels between the GPUs over NVLink (symmetric memory, no multicast
     # needed). Needs tp > 1 with sequence_parallel, train.compile, CUDA, model.backend = 'local'.
     # Off by default: it pays only where each fused op has enough work. On 2 H200s (reference
-    # model, tp=2 + sp, benchmarks/RESULTS.md, sixteenth session) micro-batch 16: 0.555-0.563
+    # model, tp=2 + sp, benchmarks/log, sixteenth session) micro-batch 16: 0.555-0.563
     # against 0.591-0.592 s (88-89% of one GPU per GPU); micro-batch 8: no change; micro-batch 4,
     # a rank bound by its host: 35% (53-68% without async TP in earlier sessions).
     async_tp: bool = False
@@ -127,7 +127,7 @@ class ParallelConfig:
     # first/last_stage_layers or virtual_stage_layers give the counts. "flops": virtual_stage_layers
     # is derived from the model family's FLOPs per layer and for the LM head (mtl.core.stage_balance),
     # so that no rank carries the head on top of an equal share; --dry-run shows the split. On
-    # 2 H200s (reference model, benchmarks/RESULTS.md, seventeenth session) pp=2: 90% of one GPU per
+    # 2 H200s (reference model, benchmarks/log, seventeenth session) pp=2: 90% of one GPU per
     # GPU against 85% even; with vpp=2 92-93% against 88-91%.
     # Unset (derived): "flops" where the family counts FLOPs per layer and no counts are given, else "even".
     pipeline_split: str | None = None
@@ -188,19 +188,19 @@ class TrainConfig:
     min_loss_scale: float = 1.0
     recompute: str = "none"
     # regional torch.compile of each transformer layer; derived: on where the run uses CUDA
-    # (1.41x faster on the H100 reference model, benchmarks/RESULTS.md), off on CPU, and off
+    # (1.41x faster on the H100 reference model, benchmarks/log), off on CPU, and off
     # for FP8 on a backend whose FP8 modules do not compile (Backend.fp8_compiles, e.g. te)
     # unless train.cuda_graphs is on
     compile: bool | None = None
     # CUDA graphs of each transformer layer's training forward and backward (Megatron's
     # --enable-cuda-graph), captured on the first step: the host launches one graph per layer
     # instead of every kernel (pays where the host is the bottleneck, as with te; not for local
-    # or fp8: benchmarks/RESULTS.md). CUDA, one GPU (no tp/pp/cp/dp), dense layers, no recompute or
+    # or fp8: benchmarks/log). CUDA, one GPU (no tp/pp/cp/dp), dense layers, no recompute or
     # dropout, not FP8 delayed scaling
     cuda_graphs: bool = False
     # the core attention's kernel: sdpa (PyTorch's F.scaled_dot_product_attention picks: cuDNN's
     # fused attention on Hopper) | fa4 (FlashAttention-4, the flash-attn-4 package, as SDPA's kernel:
-    # 12% less attention time than cuDNN on the H100 reference model, benchmarks/RESULTS.md).
+    # 12% less attention time than cuDNN on the H100 reference model, benchmarks/log).
     # fa4: CUDA Hopper or Blackwell, no attention dropout, parallel.cp = 1, the local or fp8 backend
     attention_kernel: str = "sdpa"
     device: str = "auto"  # auto | cpu | cuda
@@ -244,7 +244,7 @@ class LoggingConfig:
     tensorboard: bool = False
     callbacks: list = field(default_factory=lambda: ["jsonl"])
     # Dense bf16 matmul peak of one GPU in TFLOP/s, for MFU (0: MFU not reported).
-    # 778 is what torch measures on the H100 machines (see benchmarks/RESULTS.md).
+    # 778 is what torch measures on the H100 machines (see benchmarks/log).
     peak_tflops: float = 0.0
     # auto: a live progress display on an interactive terminal, plain lines otherwise;
     # bar | lines | none force one

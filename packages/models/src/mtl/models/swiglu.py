@@ -5,7 +5,7 @@ Autograd's backward of ``F.silu(gate) * up`` over ``fc1_out.chunk(2, -1)`` write
 ``fc1_out`` through a concatenation. Inductor turns that into one kernel over the concatenated
 output that computes each half from masked loads, so ``gate`` and the incoming gradient are read
 once per half: 0.21 ms per call on the H100 reference layer (8192 tokens, ffn 5440), about 1.4x
-the time its necessary bytes take (benchmarks/RESULTS.md). Here the backward is one Triton kernel
+the time its necessary bytes take (benchmarks/log). Here the backward is one Triton kernel
 over ``[tokens, ffn]`` that loads gate, up and the gradient once and stores both halves (0.155 ms
 per call there). The dense MLP and the MoE experts both use it.
 
@@ -82,9 +82,9 @@ def _swiglu_backward(fc1_out: torch.Tensor, grad: torch.Tensor, traced: bool) ->
 
 # A triton_op, so that inside a compiled layer inductor's code launches the kernel, as it launches its
 # own, instead of calling an opaque op that dispatches and then launches through Triton's JIT. On the
-# H100 machine a compiled call took 52 against 131 us of host time (benchmarks/gpu/host_cost.py), and
+# H100 machine a compiled call took 52 against 131 us of host time (benchmarks/log, eleventh session), and
 # a tensor-parallel rank bound by its host (tp = 2 + sp, alone) 0.64-0.68 against 0.76-0.81 s per
-# step with mtl::rope_qkv_backward likewise (benchmarks/RESULTS.md).
+# step with mtl::rope_qkv_backward likewise (benchmarks/log).
 @triton_op("mtl::swiglu_backward", mutates_args=())
 def swiglu_backward(fc1_out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """The gradient of ``fc1_out [..., 2 * ffn]`` from the gradient of ``silu(gate) * up [..., ffn]``."""

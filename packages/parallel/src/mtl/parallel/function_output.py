@@ -6,7 +6,7 @@ intermediate as an extra output of the traced forward; a tensor filled in place 
 an in-place collective, a buffer written piece by piece) or passed through then appears there
 twice, once as the returned tensor and once as the op's result, and autograd gives the gradient
 to one of the two and zeros to the other: the layers before the Function train on a zero
-gradient from it (fixed in torch 2.13; benchmarks/RESULTS.md, fifteenth session). A view is a
+gradient from it (fixed in torch 2.13; benchmarks/log, fifteenth session). A view is a
 tensor of its own, so nothing appears twice. ``packages/train/tests/test_function_outputs.py`` checks every mtl
 Function's outputs in the layouts that call them.
 """

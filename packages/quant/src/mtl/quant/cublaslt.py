@@ -4,7 +4,7 @@ Why: the weight-gradient GEMM of an FP8 linear (``dW = dyᵀ x``) should land in
 ``main_grad`` buffer, summed over micro-batches. ``torch._scaled_mm`` (torch 2.11 to 2.13)
 always writes a new tensor, so without this the gradient is written in bf16 and a second
 kernel adds it into ``main_grad``: on the reference model 47 ms of a 0.95 s FP8 step on an
-H100, 1,168 launches (benchmarks/RESULTS.md). cuBLASLt itself computes
+H100, 1,168 launches (benchmarks/log). cuBLASLt itself computes
 ``D = alpha * op(A) op(B) + beta * C``; with ``C = D = out`` and ``beta = 1`` the sum happens
 in the GEMM's epilogue, in fp32, and the bf16 gradient never exists. Transformer Engine does
 the same through its own cuBLASLt call.

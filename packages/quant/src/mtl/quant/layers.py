@@ -173,7 +173,7 @@ class Fp8Gemm:
 
     # Compiles with the layer (``train.compile``): the GEMM itself is the ``mtl::fp8_gemm``
     # op, which inductor keeps whole. When inductor lowered ``torch._scaled_mm`` itself, the FP8
-    # weights stopped learning on an H100 (benchmarks/RESULTS.md, fp8_check.py).
+    # weights stopped learning on an H100 (benchmarks/log; tests/gpu/test_fp8.py).
     def local_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> [..., N] through FP8 GEMMs (forward and backward)."""
         out_dtype = compute_dtype(x)

@@ -49,8 +49,8 @@ def _fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
     The op ``mtl::fp8_gemm`` (``scaled_mm`` below): ``torch.compile`` keeps it whole, operand
     layout and padding included, instead of lowering ``torch._scaled_mm`` itself. With
     inductor's own lowering on an H100 (torch 2.11) the FP8 layers stopped learning; with this
-    op, compiled training follows eager and bf16 (``benchmarks/gpu/fp8_check.py``,
-    benchmarks/RESULTS.md)."""
+    op, compiled training follows eager and bf16 (``tests/gpu/test_fp8.py``,
+    benchmarks/log)."""
     rowwise = a_scale.dim() > 0
     if not a.is_cuda:
         if rowwise and not CPU_ROWWISE:

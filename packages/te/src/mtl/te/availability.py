@@ -9,7 +9,7 @@ from mtl.core.errors import NotInstalledError
 INSTALL_HINT = (
     "backend 'te' needs Transformer Engine for PyTorch (import transformer_engine.pytorch failed: {reason}); "
     "install it on a CUDA machine with: pip install 'mtl-te[te]' (transformer-engine[pytorch]), "
-    "or stage it offline with benchmarks/gpu/te_stage.sh"
+    "or stage it offline with scripts/gpu/te_stage.sh"
 )
 
 

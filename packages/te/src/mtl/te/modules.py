@@ -78,7 +78,7 @@ def _tp(topology) -> tuple[int, object]:
 
 
 # Dynamo cannot trace TE's FP8 autocast (InternalTorchDynamoError, TE 2.20.2 with torch 2.11 on
-# an H100: benchmarks/RESULTS.md), so under ``train.compile`` an FP8 TE module runs eagerly
+# an H100: benchmarks/log), so under ``train.compile`` an FP8 TE module runs eagerly
 # between the compiled pieces of its layer. In bf16 too TE modules run eagerly there: TE keeps
 # ``LayerNormLinear`` and ``LayerNormMLP`` out of dynamo (``no_torch_dynamo``) and runs a
 # ``te.Linear`` accumulating into ``main_grad`` through its eager fallback.
@@ -188,7 +188,7 @@ class _PlainLinearAccumulation(_MainGradAccumulation):
     Under torch.compile TE 2.20.2 runs a ``te.Linear`` with ``fuse_wgrad_accumulation`` through
     its eager fallback, behind a graph break; without it the linear compiles with its layer and
     the DataParallel hook adds its gradient. Measured in one call on an H100 (reference model, te
-    bf16 compiled, benchmarks/RESULTS.md): 1.202 s/iter with only the fused leaves accumulating
+    bf16 compiled, benchmarks/log): 1.202 s/iter with only the fused leaves accumulating
     against 1.300 s with this linear accumulating too (1.173 against 1.170 under
     ``train.cuda_graphs``, where host work no longer shows). An FP8 TE module runs eagerly in any
     case (``_fp8_call``), so there the fused accumulation costs nothing and saves the add."""

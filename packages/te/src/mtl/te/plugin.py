@@ -24,7 +24,7 @@ TE_BACKEND = Backend(
     check_available=require_te,
     check_config=check_config,
     # TE's FP8 autocast does not trace (modules.py, _fp8_call): on the H100 reference model a
-    # compiled FP8 step took 1.69 s against 1.32 s eager (benchmarks/RESULTS.md)
+    # compiled FP8 step took 1.69 s against 1.32 s eager (benchmarks/log)
     fp8_compiles=False,
     description="Transformer Engine: Linear, LayerNormLinear, LayerNormMLP, RMSNorm/LayerNorm, DotProductAttention; FP8 recipes",
 )

@@ -36,7 +36,7 @@ def compile_units(model: nn.Module) -> list[nn.Module]:
 # the splits finishes it. Its default split is sized for 8 programs per SM (16 rows at 8192
 # tokens on an H100: 512 splits), and that final sum then costs more than the kernel saved: on
 # the reference layer (8192 tokens, hidden 2048, one H100) kernel + sum per layer call take
-# 0.117 ms at 16 rows, 0.093 at 32, 0.096 at 64 and 0.113 at 128 (benchmarks/RESULTS.md).
+# 0.117 ms at 16 rows, 0.093 at 32, 0.096 at 64 and 0.113 at 128 (benchmarks/log).
 # About one split per SM is the best: the largest power of two <= tokens / SMs, within [16, 128].
 def norm_grad_split_rows(tokens_per_call: int, sm_count: int) -> int:
     """Rows per split of a norm weight gradient's first stage (``mix_order_reduction_split_size``)."""

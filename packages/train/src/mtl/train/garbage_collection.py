@@ -16,7 +16,7 @@ objects in a tiny CPU run, whose full collection took 110-145 ms on the CPU mach
 consequences: such an object that becomes cyclic garbage during the loop is freed only after
 it; and what the first steps create (the compiled regions under ``train.compile``) is scanned
 by the first collection, which took ~30 ms once on the H100 reference model (later ones no
-measurable time, benchmarks/RESULTS.md)."""
+measurable time, benchmarks/log)."""
 
 from __future__ import annotations
 

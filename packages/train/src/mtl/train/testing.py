@@ -48,14 +48,14 @@ LAYOUTS = {
     "dp2_pp2": (4, ["parallel.pp=2"]),
     "dp4_distopt": (4, ["parallel.distributed_optimizer=true"]),
 }
-# Layouts only GPUs run (benchmarks/gpu/equivalence_nccl.py, the CUDA tests): async TP's fused
+# Layouts only GPUs run (tests/gpu/test_equivalence_nccl.py, the CUDA tests): async TP's fused
 # ops are CUDA ops over NCCL symmetric memory.
 GPU_LAYOUTS = {
     "tp2_sp_async_tp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.async_tp=true",
                             "train.compile=true"]),
 }
 # A 2-layer MoE (4 experts, top-2, dropless, aux and z-losses on) and its expert-parallel
-# layouts (packages/train/tests/test_expert_parallel.py; benchmarks/gpu/equivalence_nccl.py).
+# layouts (packages/train/tests/test_expert_parallel.py; tests/gpu/test_equivalence_nccl.py).
 # lr_decay_iters: every run follows the 6-step schedule, so a 3-step run is its first half.
 MOE_TINY = ["model.num_layers=2", "model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=16",
             "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001", "model.bias=false",

@@ -5,7 +5,7 @@ Why: under ``train.compile`` each layer is its own compiled region (one graph sh
 A layer that ends with ``hidden + mlp_out`` pays a kernel of its own for that add, which reads
 both tensors and writes the sum; handed over unadded, the add runs inside the next layer's
 input-norm kernel, which reads the residual stream anyway. That saved 0.9% of the reference
-model's step time on an H100 (benchmarks/RESULTS.md). Eager, the numbers are the same bit for
+model's step time on an H100 (benchmarks/log). Eager, the numbers are the same bit for
 bit: the same adds in the same order.
 
 Each layer's call becomes a ``DeferredResidualStep``:

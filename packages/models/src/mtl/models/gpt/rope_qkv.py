@@ -154,7 +154,7 @@ def _backward_triton(dq, dk, dv, cos, sin, traced: bool = False) -> torch.Tensor
 
 
 # A triton_op, as mtl.models.swiglu's: inside a compiled layer inductor's code launches the kernel (a
-# compiled call took 85 against 208 us of host time on the H100 machine, benchmarks/gpu/host_cost.py).
+# compiled call took 85 against 208 us of host time on the H100 machine, benchmarks/log, eleventh session).
 @triton_op("mtl::rope_qkv_backward", mutates_args=())
 def rope_qkv_backward(
     dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

@@ -3,7 +3,7 @@
 mtl's core attention calls ``F.scaled_dot_product_attention``, which on Hopper picks cuDNN's fused
 attention. FlashAttention-4 (the ``flash-attn-4`` package, ``flash_attn.cute``: kernels written in
 NVIDIA's CuTe DSL and compiled on first use; its Hopper path follows FA3) spends 12% less device
-time on the reference model's attention (benchmarks/RESULTS.md). PyTorch (2.11 and later) can
+time on the reference model's attention (benchmarks/log). PyTorch (2.11 and later) can
 route SDPA's flash operators (``aten::_scaled_dot_product_flash_attention`` and its backward) to
 FA4 through ``torch.nn.attention._fa4``. ``activate_fa4`` does that and turns SDPA's cuDNN and
 memory-efficient backends off, so the flash backend, now FA4, is SDPA's first choice, in eager

@@ -2,7 +2,7 @@
 
 The ring (``ring_attention.py``) passes k/v blocks between neighbours with point-to-point
 sends. Those cannot be traced, so the ring runs eagerly between a compiled layer's graphs,
-and its Python and small kernels are what bound the cp=2 step on 2 GPUs (benchmarks/RESULTS.md).
+and its Python and small kernels are what bound the cp=2 step on 2 GPUs (benchmarks/log).
 This variant gathers every rank's k/v with one all-gather (its backward is one reduce-scatter
 of dK/dV), as Megatron-Core's ``cp_comm_type = "all_gather"`` and Llama 3's context
 parallelism do. Both collectives are traceable, so the whole attention compiles with its layer.
