@@ -85,12 +85,16 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
 
 
 def register_plugin(plugin: Any, name: str | None = None) -> None:
-    """Register an in-process plugin (a module or object with ``@hookimpl`` functions)."""
+    """Register an in-process plugin (a module or object with ``@hookimpl`` functions). Registering
+    the same object again does nothing, so each spawned test process may call it unguarded."""
+    if plugin_manager().is_registered(plugin):
+        return
     plugin_manager().register(plugin, name=name)
     _registries.clear()
 
 
 def unregister_plugin(plugin: Any) -> None:
+    """Take an in-process plugin out again (a test that registered one cleans up with this)."""
     plugin_manager().unregister(plugin)
     _registries.clear()
 
