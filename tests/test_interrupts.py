@@ -15,6 +15,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from process_tree import children, rank_of  # noqa: E402  (a helper beside these tests)
+
 BIN = Path(sys.executable).parent
 CONFIG = """
 [model]
@@ -104,21 +107,6 @@ def test_a_second_ctrl_c_aborts_without_saving(tmp_path):
     assert not (ckpt / "latest").exists()  # nothing committed: a save it interrupted stays .partial
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            found += [int(c) for c in (task / "children").read_text().split()]
-    except OSError:  # gone meanwhile
-        pass
-    return found
-
-
-def _rank_of(pid: int) -> int | None:
-    try:
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
     for item in env:
         if item.startswith(b"RANK="):
             return int(item[5:])
@@ -147,7 +135,7 @@ def test_torchrun_restarts_a_job_whose_rank_was_killed_and_it_continues_exactly(
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     try:
         wait_for_step(proc, logs, 6)
-        victims = [pid for pid in _children(proc.pid) if _rank_of(pid) == 1]
+        victims = [pid for pid in children(proc.pid) if rank_of(pid) == 1]
         assert len(victims) == 1, victims
         os.kill(victims[0], signal.SIGKILL)
         output, _ = proc.communicate(timeout=120)
@@ -155,7 +143,7 @@ def test_torchrun_restarts_a_job_whose_rank_was_killed_and_it_continues_exactly(
     finally:  # torchrun's workers run in sessions of their own: end them too if the test failed
         for job in (proc, straight):
             if job.poll() is None:
-                for pid in _children(job.pid):
+                for pid in children(job.pid):
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:

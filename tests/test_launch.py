@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))
+from process_tree import children, rank_of  # noqa: E402  (a helper beside these tests)
+
 BIN = Path(sys.executable).parent
 CONFIG = """
 [model]
@@ -222,24 +225,6 @@ def test_launcher_trains_at_two_processes_and_logs_a_shared_warning_once(tmp_pat
     assert (ckpt / "latest").read_text().strip() == "3"
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            found += [int(c) for c in (task / "children").read_text().split()]
-    except OSError:  # gone meanwhile
-        pass
-    return found
-
-
-def _rank_of(pid: int) -> int | None:
-    try:
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    return next((int(item[5:]) for item in env if item.startswith(b"RANK=")), None)
-
-
 def test_launcher_passes_max_restarts_to_torchrun(tmp_path):
     """A rank SIGKILLed mid-run: torchrun (which the launcher became) restarts the job, which
     resumes from its last checkpoint and finishes."""
@@ -255,7 +240,7 @@ def test_launcher_passes_max_restarts_to_torchrun(tmp_path):
             assert proc.poll() is None, proc.communicate()[0][-3000:]
             assert time.monotonic() < deadline, "training did not reach step 5"
             time.sleep(0.02)
-        victims = [pid for pid in _children(proc.pid) if _rank_of(pid) == 1]
+        victims = [pid for pid in children(proc.pid) if rank_of(pid) == 1]
         assert victims, "no rank 1 among the launcher's children"
         os.kill(victims[0], signal.SIGKILL)
         output, _ = proc.communicate(timeout=600)

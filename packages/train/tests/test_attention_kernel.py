@@ -42,10 +42,11 @@ def test_fa4_refuses_what_it_cannot_serve(overrides, named):
 
 def test_fa4_refuses_transformer_engines_attention():
     # the te backend's own check (TE installed?) runs first in resolve(); this one alone
-    from mtl.core.config import ModelConfig, ParallelConfig, TrainConfig, _check_attention_kernel
+    from mtl.core.config import ModelConfig, ParallelConfig, TrainConfig
+    from mtl.core.config_feature_checks import check_attention_kernel
 
     with pytest.raises(ConfigError, match=r"does not work with model.backend = 'te'"):
-        _check_attention_kernel(ModelConfig(backend="te"), ParallelConfig(), TrainConfig(attention_kernel="fa4"))
+        check_attention_kernel(ModelConfig(backend="te"), ParallelConfig(), TrainConfig(attention_kernel="fa4"))
 
 
 def test_fa4_refuses_context_parallelism():

@@ -22,22 +22,6 @@ from mtl.train.testing import TINY, StepWatcher
 BASE = [o for o in TINY if not o.startswith("train.iters")] + ["train.iters=8", "train.warmup_iters=2"]
 
 
-@pytest.fixture
-def mtl_log():
-    """Every record the ``mtl`` loggers emit (they do not propagate to the root logger)."""
-    records: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record)
-
-    handler = Keep(level=logging.INFO)
-    logger = logging.getLogger("mtl")
-    logger.addHandler(handler)
-    yield records
-    logger.removeHandler(handler)
-
-
 def messages(records, level=logging.INFO) -> list[str]:
     return [r.getMessage() for r in records if r.levelno >= level]
 

@@ -20,22 +20,6 @@ from mtl.train.testing import TINY
 BASE = [o for o in TINY if not o.startswith("train.iters")] + ["train.iters=8", "train.warmup_iters=2"]
 
 
-@pytest.fixture
-def mtl_log():
-    """Every record the ``mtl`` loggers emit (they do not propagate to the root logger)."""
-    records: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record)
-
-    handler = Keep(level=logging.INFO)
-    logger = logging.getLogger("mtl")
-    logger.addHandler(handler)
-    yield records
-    logger.removeHandler(handler)
-
-
 def run(overrides):
     return train(load_config(None, [*BASE, *overrides]), progress=False)
 

@@ -22,7 +22,6 @@ from typing import Any
 
 from mtl.core.config_checks import check, check_values
 from mtl.core.config_derive import derive
-from mtl.core.config_feature_checks import check_attention_kernel as _check_attention_kernel  # noqa: F401
 from mtl.core.config_pipeline import (  # noqa: F401 (importable from here)
     derive_flops_split,
     layer_and_head_flops,

@@ -97,24 +97,7 @@ class DataParallel(nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ParallelError(f"DataParallel got a {type(module).__name__} with no trainable parameters")
-        # One buffer per (dtype, reduce group): a bucket is one collective over one group.
-        by_kind: dict[tuple[torch.dtype, str], list[tuple[str, nn.Parameter]]] = {}
-        for name, param in named:
-            by_kind.setdefault((param.dtype, EXPERT if is_expert_param(param) else DENSE), []).append((name, param))
-        self.buffers_by_dtype: list[GradBuffer] = []
-        for (dtype, group_name), params in by_kind.items():
-            element_size = torch.empty((), dtype=dtype).element_size()
-            reduce_group = self.reduce_groups[group_name]
-            self.buffers_by_dtype.append(
-                GradBuffer(
-                    params,
-                    bucket_size_numel=max(1, int(bucket_size_mb * 2**20 / element_size)),
-                    num_shards=reduce_group.size,
-                    with_param_buffer=use_distributed_optimizer,
-                    grad_dtype=grad_dtype,
-                    reduce_group=reduce_group,
-                )
-            )
+        self.buffers_by_dtype = self._grad_buffers(named, bucket_size_mb, use_distributed_optimizer, grad_dtype)
         # One launch order for every rank (NCCL needs collectives in the same order everywhere).
         self.buckets: list[Bucket] = [b for buf in self.buffers_by_dtype for b in buf.buckets]
         self._owner = {id(p): (buf, buf.slot_of[id(p)]) for buf in self.buffers_by_dtype for _, p in named
@@ -141,6 +124,26 @@ class DataParallel(nn.Module):
         self.num_param_gathers_waited_in_forward = 0  # since construction; tests read it
         self._param_gather_hook_handles = self._register_param_gather_hooks() if overlap_param_gather else []
         self.broadcast_params()
+
+    def _grad_buffers(self, named: list[tuple[str, nn.Parameter]], bucket_size_mb: float,
+                      use_distributed_optimizer: bool, grad_dtype: torch.dtype | None) -> list[GradBuffer]:
+        """One buffer per (dtype, reduce group): a bucket is one collective over one group."""
+        by_kind: dict[tuple[torch.dtype, str], list[tuple[str, nn.Parameter]]] = {}
+        for name, param in named:
+            by_kind.setdefault((param.dtype, EXPERT if is_expert_param(param) else DENSE), []).append((name, param))
+        buffers = []
+        for (dtype, group_name), params in by_kind.items():
+            element_size = torch.empty((), dtype=dtype).element_size()
+            reduce_group = self.reduce_groups[group_name]
+            buffers.append(GradBuffer(
+                params,
+                bucket_size_numel=max(1, int(bucket_size_mb * 2**20 / element_size)),
+                num_shards=reduce_group.size,
+                with_param_buffer=use_distributed_optimizer,
+                grad_dtype=grad_dtype,
+                reduce_group=reduce_group,
+            ))
+        return buffers
 
     # ---- module plumbing -------------------------------------------------------------------
     def forward(self, *args, **kwargs):
