@@ -107,12 +107,6 @@ def test_a_second_ctrl_c_aborts_without_saving(tmp_path):
     assert not (ckpt / "latest").exists()  # nothing committed: a save it interrupted stays .partial
 
 
-    for item in env:
-        if item.startswith(b"RANK="):
-            return int(item[5:])
-    return None
-
-
 def _torchrun(tmp_path: Path, name: str, iters: int) -> tuple[list[str], Path]:
     config = write_config(tmp_path, iters=iters)
     logs = tmp_path / name / "logs"
