@@ -185,11 +185,13 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def test_launcher_refuses_a_config_error_in_one_line_and_starts_nothing(tmp_path):
-    """A deterministic config error is found once, before any process starts: one line, exit
-    2, never restarted (with --max-restarts 3, torchrun would run it four times)."""
+    """A deterministic config or data error is found once, before any process starts: one line,
+    exit 2, never restarted (with --max-restarts 3, torchrun would run it four times)."""
     config = write_config(tmp_path, iters=2)
     for sets, needle in ((["model.hiden_size=3"], "--set: unknown key model.hiden_size (did you mean 'hidden_size'?)"),
-                         (["parallel.tp=4"], "world size 2 is not divisible by tp*pp*cp = 4*1*1 = 4")):
+                         (["parallel.tp=4"], "world size 2 is not divisible by tp*pp*cp = 4*1*1 = 4"),
+                         (["data.dataset='gpt'", f"data.paths=['{tmp_path}/missing']"],
+                          f"index file {tmp_path}/missing.idx does not exist")):
         start = time.monotonic()
         proc = subprocess.run([*MTL, "train", str(config), "--nproc-per-node", "2", "--max-restarts", "3",
                                *[arg for item in sets for arg in ("--set", item)]],

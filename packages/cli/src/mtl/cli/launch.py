@@ -2,8 +2,8 @@
 
 Under a bare ``torchrun --max-restarts R``, a config error is raised by every worker and the
 agent restarts them R times, each restart failing the same way. Here the config is resolved at
-world size N, the training settings and checkpoint directories are checked, and only a run
-that passes starts: torchrun's own agent replaces this process (``python -m
+world size N, the training settings, checkpoint directories and datasets are checked, and only a
+run that passes starts: torchrun's own agent replaces this process (``python -m
 torch.distributed.run --standalone``), so restarts, rendezvous and the exit status are its."""
 
 from __future__ import annotations
@@ -16,26 +16,35 @@ from mtl.core.errors import ConfigError
 from mtl.core.plugins import registry
 
 
-def resolve_at(cfg: RunConfig, world_size: int) -> RunConfig:
+def resolve_with_tokenizer(cfg: RunConfig, world_size: int):
     """The config as ``world_size`` processes resolve it, with the training settings checked as
-    training checks them (the tokenizer gives the vocabulary)."""
+    training checks them, and the tokenizer that gave it the vocabulary."""
     from mtl.train.validate import check_training_settings
 
     tokenizer = registry("tokenizer").get(cfg.data.tokenizer).build(cfg.data.tokenizer_model)
     resolved = cfg.resolve(world_size=world_size, tokenizer_vocab_size=tokenizer.vocab_size)
     check_training_settings(resolved)
-    return resolved
+    return resolved, tokenizer
+
+
+def resolve_at(cfg: RunConfig, world_size: int) -> RunConfig:
+    return resolve_with_tokenizer(cfg, world_size)[0]
 
 
 def check_launch(cfg: RunConfig, nproc_per_node: int) -> None:
     """Raise the error every worker would raise before any compute: the config at this world
-    size, the training settings, and what ``ckpt.save``/``ckpt.load`` hold."""
+    size, the training settings, what ``ckpt.save``/``ckpt.load`` hold, and the datasets (a
+    missing or malformed ``.bin/.idx`` file). Building the datasets here also writes their
+    index cache once, which the workers then read instead of each building it."""
     from mtl.train.resume import check_checkpoint_dirs
+    from mtl.train.setup import build_datasets
 
     if "LOCAL_RANK" in os.environ:
         raise ConfigError("--nproc-per-node starts torchrun, but this process already runs under it; "
                           "drop --nproc-per-node (torchrun's own --nproc-per-node sets the processes)")
-    check_checkpoint_dirs(resolve_at(cfg, nproc_per_node))
+    resolved, tokenizer = resolve_with_tokenizer(cfg, nproc_per_node)
+    check_checkpoint_dirs(resolved)
+    build_datasets(resolved, tokenizer)
 
 
 def torchrun_argv(nproc_per_node: int, max_restarts: int, config: str | None, overrides: list[str]) -> list[str]:
