@@ -84,3 +84,32 @@ def byte_of_char() -> dict[str, int]:
 @pytest.fixture(scope="session")
 def bpe_vocab(bpe_dir) -> dict[str, int]:
     return json.loads((bpe_dir / "vocab.json").read_text(encoding="utf-8"))
+
+
+BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+@pytest.fixture(scope="session")
+def wordpiece_dir(tmp_path_factory, corpus_texts):
+    """A 300-token lowercase WordPiece tokenizer.json (+ tokenizer_config.json naming its
+    special tokens, as a Hugging Face BERT folder does)."""
+    from tokenizers.implementations import BertWordPieceTokenizer
+
+    out = tmp_path_factory.mktemp("wordpiece")
+    wordpiece = BertWordPieceTokenizer(lowercase=True)
+    wordpiece.train_from_iterator(corpus_texts, vocab_size=300, min_frequency=2,
+                                  special_tokens=BERT_SPECIAL_TOKENS, show_progress=False)
+    wordpiece.save(str(out / "tokenizer.json"))
+    roles = dict(zip(["pad_token", "unk_token", "cls_token", "sep_token", "mask_token"], BERT_SPECIAL_TOKENS))
+    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer", **roles}))
+    return out
+
+
+@pytest.fixture
+def single_process_group(tmp_path):
+    """A one-rank gloo group: Megatron-Core's dataset builders ask torch.distributed for the rank."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

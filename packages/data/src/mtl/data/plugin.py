@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mtl.core.hookspecs import hookimpl
 from mtl.core.registrations import DatasetSpec, TokenizerSpec
+from mtl.data.bert_dataset import build_bert_dataset
 from mtl.data.blended_dataset import build_gpt_dataset
 from mtl.data.mock_dataset import build_mock_dataset
 from mtl.data.tokenizers.byte import build_byte_tokenizer
@@ -28,5 +29,7 @@ def mtl_tokenizers() -> list[TokenizerSpec]:
 def mtl_datasets() -> list[DatasetSpec]:
     return [
         DatasetSpec("gpt", build_gpt_dataset, "Megatron-style GPT samples over .bin/.idx, blended"),
+        DatasetSpec("bert", build_bert_dataset,
+                    "Megatron-Core's BERT samples (masked LM, sentence pairs) over sentence-split .bin/.idx"),
         DatasetSpec("mock", build_mock_dataset, "deterministic random tokens"),
     ]
