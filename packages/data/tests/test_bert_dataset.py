@@ -115,8 +115,13 @@ def test_bad_inputs_are_one_line_before_any_sample(corpora, wordpiece_dir, bpe_d
                      wordpiece_dir)) >= NUM_SAMPLES
 
     t5_model = bert_config([corpora["a"]], tmp_path, wordpiece_dir, family="t5")
-    with pytest.raises(ConfigError, match=r"data.dataset = 'bert' makes bert samples but model.family = 't5'"):
+    with pytest.raises(ConfigError, match=r"data.dataset = 'bert' makes bert samples but "
+                                          r"model.family = 't5'.*set data.dataset = 't5'"):
         build(t5_model, wordpiece_dir)
+    bert_model = bert_config([corpora["a"]], tmp_path, wordpiece_dir)
+    with pytest.raises(ConfigError, match=r"data.dataset = 'gpt' makes gpt samples but "
+                                          r"model.family = 'bert'.*set data.dataset = 'bert'"):
+        registry("dataset").get("gpt").build(bert_model, None, "train", 10)
 
     no_mask = bert_config([corpora["a"]], tmp_path, wordpiece_dir)
     no_mask.data.tokenizer_model = str(bpe_dir / "tokenizer.json")  # byte-level BPE: no [CLS]/[SEP]/[MASK]

@@ -80,14 +80,6 @@ def masking_settings(data) -> MaskingSettings:
                            data.masking_use_geometric_distribution)
 
 
-def check_family(config, dataset: str) -> None:
-    """A bert dataset feeds a bert model, a t5 dataset a t5 model: one line otherwise."""
-    family = config.model.family
-    if family != dataset:
-        raise ConfigError(f"data.dataset = '{dataset}' makes {dataset} samples but model.family = "
-                          f"'{family}'; set data.dataset to the family's dataset or model.family = '{dataset}'")
-
-
 def build_masked_split(config, split: str, num_samples: int | None, make_component):
     """One dataset per ``data.paths`` prefix (``make_component(indexed, range, samples, split)``),
     blended as Megatron-Core blends them."""

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from mtl.core.errors import ConfigError, DataError
-from mtl.data.masked_dataset import MaskedDataset, build_masked_split, check_family, masking_settings
+from mtl.data.dataset_family import check_family
+from mtl.data.masked_dataset import MaskedDataset, build_masked_split, masking_settings
 from mtl.data.masked_vocabulary import masked_vocabulary, require_roles
 from mtl.data.masking import create_masked_lm_predictions
 
