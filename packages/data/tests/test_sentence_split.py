@@ -85,3 +85,22 @@ def test_missing_nltk_is_one_line_naming_the_install(corpus, tmp_path, monkeypat
     with pytest.raises(DataError, match=r"needs NLTK.*pip install 'mtl-data\[sentences\]'"):
         preprocess(corpus, str(tmp_path / "x"), "byte", progress=False, split_sentences=True)
     assert not (tmp_path / "x.bin").exists()
+
+
+def test_trained_punkt_parameters_are_used_where_nltk_data_is_installed(tmp_path, monkeypatch):
+    import nltk
+    from nltk.tokenize.punkt import PunktParameters, save_punkt_params
+
+    text = "Mr. Smith went home. He slept."
+    untrained = build_sentence_splitter()
+    assert "untrained" in untrained.description and untrained.split(text) == ["Mr.", "Smith went home.", "He slept."]
+    # an installed punkt_tab model for english (here: one that knows the abbreviation "mr")
+    monkeypatch.setattr(nltk.data, "path", [str(tmp_path)] + nltk.data.path)
+    params = PunktParameters()
+    params.abbrev_types = {"mr"}
+    model_dir = tmp_path / "tokenizers" / "punkt_tab" / "english"
+    model_dir.mkdir(parents=True)
+    save_punkt_params(params, dir=str(model_dir))
+    trained = build_sentence_splitter()
+    assert trained.description == "NLTK Punkt, trained (english)"
+    assert trained.split(text) == ["Mr. Smith went home.", "He slept."]
