@@ -46,6 +46,9 @@ def build_sentence_sample_index(document_bounds: np.ndarray, sequence_lengths: n
 
     ``document_bounds`` are the sentence indices where this split's documents start, plus the
     end of the last (Megatron's ``document_indices`` slice); ``num_samples`` None: one epoch."""
+    if max_seq_length < 2:
+        raise DataError(f"{where}: samples of {max_seq_length} tokens besides the special tokens "
+                        "are too short; raise model.seq_length")
     # C's round(): half away from zero (1 / p is positive)
     short_seq_ratio = int(np.floor(1.0 / short_seq_prob + 0.5)) if short_seq_prob > 0 else 0
     documents = _eligible_documents(np.asarray(document_bounds), sequence_lengths, min_sentences)
