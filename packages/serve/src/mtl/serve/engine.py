@@ -107,12 +107,13 @@ class Engine:
                                f"({self.blocks.num_blocks}); lower max_tokens", "max_tokens")
         return max_tokens
 
-    def add(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """Queue a request; its id. RequestError for a bad one, QueueFull when full."""
+    def add(self, prompt_ids: list[int], params: SamplingParams, request_id: int | None = None) -> int:
+        """Queue a request (under ``request_id`` when given); its id. RequestError for a bad
+        one, QueueFull when full."""
         max_tokens = self.check(prompt_ids, params)
         if self.scheduler.queue_full():
             raise QueueFull(f"the queue holds {self.config.max_waiting} waiting requests; retry later")
-        seq = Sequence(next(self._ids), list(prompt_ids), params, max_tokens,
+        seq = Sequence(next(self._ids) if request_id is None else request_id, list(prompt_ids), params, max_tokens,
                        make_generator(params.seed, self.device), TextStream(self.tokenizer, prompt_ids, params.stop))
         self._sequences[seq.id] = seq
         self.scheduler.add(seq)
