@@ -24,6 +24,10 @@ from mtl.parallel.testing import free_port
 from mtl.parallel.topology import Topology
 from mtl.serve.loading import LoadedModel
 
+# Tiny models on shared cores: one thread each is many times faster than threads fighting over them.
+torch.set_num_threads(1)
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
 CONTEXT = 256  # tokens: long enough that a request can still be running when a test acts on it
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -103,7 +107,8 @@ dir = "{root / 'logs'}"
 """)
     result = CliRunner().invoke(cli, ["train", str(root / "tiny.toml")])
     assert result.exit_code == 0, result.output
-    return {"dir": str(root / "ckpt"), "tokenizer": str(tokenizer), "plain_tokenizer": str(plain)}
+    return {"dir": str(root / "ckpt"), "tokenizer": str(tokenizer), "plain_tokenizer": str(plain),
+            "context": CONTEXT}
 
 
 def http(url: str, body: dict | str | None = None, headers: dict | None = None) -> tuple[int, str]:
@@ -127,7 +132,7 @@ class Server:
         command = [str(Path(sys.executable).parent / "mtl"), "serve", checkpoint, "--port", str(self.port),
                    "--kv-memory", "8MiB", *args]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, **(env or {})})
+                                        env={**os.environ, **ONE_THREAD, **(env or {})})
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             assert self.process.poll() is None, f"mtl serve exited {self.process.returncode}: {self.output()}"
@@ -152,6 +157,16 @@ class Server:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout)
+
+
+@pytest.fixture(scope="session")
+def http_call():
+    return http
+
+
+@pytest.fixture(scope="session")
+def start_server():
+    return Server
 
 
 @pytest.fixture(scope="module")

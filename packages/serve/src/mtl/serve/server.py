@@ -67,7 +67,7 @@ def _validation_error(_request, exc: RequestValidationError):
     loc = [str(p) for p in first["loc"] if p != "body"]
     param = ".".join(loc) or "body"
     if first.get("type") == "json_invalid":
-        return error_response(400, f"the body is not valid JSON: {first['msg']}", "body")
+        return error_response(400, f"body: not valid JSON ({first['msg']})", "body")
     return error_response(400, f"{param}: {first['msg']}", param)
 
 
