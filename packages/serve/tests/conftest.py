@@ -147,11 +147,22 @@ class Server:
         self.log.seek(0)
         return self.log.read()
 
+    def metrics_text(self) -> str:
+        return http(f"{self.url}/metrics")[1]
+
     def metric(self, name: str) -> float:
-        for line in http(f"{self.url}/metrics")[1].splitlines():
+        for line in self.metrics_text().splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[1])
         raise KeyError(name)
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Until no request runs or waits and no KV block is in use."""
+        deadline = time.monotonic() + timeout
+        names = ("mtl_serve_kv_blocks_in_use", "mtl_serve_running_requests", "mtl_serve_queue_length")
+        while any(self.metric(name) for name in names):
+            assert time.monotonic() < deadline, f"still busy: {[self.metric(name) for name in names]}"
+            time.sleep(0.05)
 
     def terminate(self, timeout: float = 30) -> int:
         if self.process.poll() is None:

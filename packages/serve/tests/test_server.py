@@ -91,24 +91,17 @@ def test_64_concurrent_streams_of_mixed_lengths(checkpoint, server):
     results = asyncio.run(all_of_them())
     assert [text for text, _ in results] == expected
     assert all(finish in ("length", "stop") for _, finish in results)
-    wait_idle(server)
-
-
-def wait_idle(server, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while server.metric("mtl_serve_kv_blocks_in_use") or server.metric("mtl_serve_running_requests"):
-        assert time.monotonic() < deadline, "KV blocks still in use"
-        time.sleep(0.05)
+    server.wait_idle()
 
 
 def test_a_client_leaving_mid_stream_frees_its_blocks(server, client):
-    wait_idle(server)
+    server.wait_idle()
     before = server.metric("mtl_serve_generated_tokens_total")
     stream = client.completions.create(model="tiny", prompt="hello", max_tokens=CONTEXT - 8, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True})
     next(iter(stream))
     stream.close()
-    wait_idle(server)
+    server.wait_idle()
     time.sleep(0.2)  # nothing of it keeps running
     generated = server.metric("mtl_serve_generated_tokens_total") - before
     assert 1 <= generated < CONTEXT - 8, generated
