@@ -44,14 +44,15 @@ def distributed_device(device: str | None, tp: int) -> torch.device:
     return dev
 
 
-def build_engine(checkpoint: str, *, device: torch.device, tp: int = 1, dtype: str = "auto",
+def build_engine(checkpoint: str, *, device: torch.device, tp: int = 1, dtype: str | None = "auto",
                  kv_memory: str | None = None, tokenizer: str | None = None, tokenizer_model: str | None = None,
                  iteration: int | None = None, **engine_options) -> Engine:
     """The checkpoint's model on ``device`` (this rank's TP part) and an engine around it;
-    ``engine_options`` are EngineConfig's fields."""
+    ``dtype`` None keeps the stored precision, "auto" is bfloat16 on CUDA; ``engine_options``
+    are EngineConfig's fields."""
     if tokenizer_model is not None and tokenizer is None:
         raise ConfigError("--tokenizer-model needs --tokenizer NAME (which tokenizer reads the file)")
-    weights = (torch.bfloat16 if device.type == "cuda" else None) if dtype == "auto" else DTYPES[dtype]
+    weights = (torch.bfloat16 if device.type == "cuda" else None) if dtype == "auto" else DTYPES.get(dtype)
     loaded = load_checkpoint(checkpoint, device=device, tp=tp, dtype=weights, tokenizer=tokenizer,
                              tokenizer_model=tokenizer_model, iteration=iteration)
     if loaded.tokenizer.vocab_size < loaded.config.model.vocab_size:
