@@ -114,7 +114,8 @@ class Engine:
         if self.scheduler.queue_full():
             raise QueueFull(f"the queue holds {self.config.max_waiting} waiting requests; retry later")
         seq = Sequence(next(self._ids) if request_id is None else request_id, list(prompt_ids), params, max_tokens,
-                       make_generator(params.seed, self.device), TextStream(self.tokenizer, prompt_ids, params.stop))
+                       make_generator(params.seed, self.device),
+                       TextStream(self.tokenizer, prompt_ids, params.stop) if params.detokenize else None)
         self._sequences[seq.id] = seq
         self.scheduler.add(seq)
         return seq.id
@@ -155,14 +156,16 @@ class Engine:
             new_ids = [token]
             seq.output_ids.append(token)
             seq.logprobs.append(logprobs)
-            seq.text.update(seq.output_ids)
-            if seq.text.stopped:
+            if seq.text is not None:
+                seq.text.update(seq.output_ids)
+            if seq.text is not None and seq.text.stopped:
                 seq.finish_reason = "stop"
             elif len(seq.output_ids) >= seq.max_tokens:
                 seq.finish_reason = "length"
         if seq.finish_reason is not None:
             self.abort(seq.id)
-        return StepOutput(seq.id, new_ids, seq.text.delta(final=seq.finish_reason is not None),
+        text = seq.text.delta(final=seq.finish_reason is not None) if seq.text is not None else ""
+        return StepOutput(seq.id, new_ids, text,
                           [logprobs] if new_ids else [], seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids))
 
     def stats(self) -> dict[str, int]:

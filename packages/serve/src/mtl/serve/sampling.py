@@ -24,6 +24,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # the text ends before the first of these
     logprobs: int | None = None  # None: none; n: the chosen token's and the n most likely
     ignore_eos: bool = False  # keep going past the end-of-document token (benchmarks)
+    detokenize: bool = True  # False: token ids only, no text (rollouts, benchmarks; no stop strings)
 
     def check(self) -> None:
         """A ConfigError naming the first field out of range (the server answers 400 with it)."""
@@ -37,6 +38,8 @@ class SamplingParams:
             raise ConfigError(f"top_p = {self.top_p} must be in (0, 1]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ConfigError(f"logprobs = {self.logprobs} must be between 0 and 20")
+        if self.stop and not self.detokenize:
+            raise ConfigError("stop: stop strings need the text; leave detokenize on")
         if any(not s for s in self.stop):
             raise ConfigError("stop: an empty string would end every text at once")
 

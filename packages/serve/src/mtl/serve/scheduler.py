@@ -25,7 +25,7 @@ class Sequence:
     params: SamplingParams
     max_tokens: int  # resolved: params.max_tokens or what the context leaves
     generator: torch.Generator
-    text: TextStream
+    text: TextStream | None  # None: the request asked for token ids only
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     cached: int = 0  # tokens whose keys and values are in the cache
