@@ -53,7 +53,8 @@ def build_hf(loaded: LoadedModel, folder: Path, device: torch.device, dtype: tor
 
     from mtl.models.convert_hf import HFConverter
 
-    state = {e.global_name: e.view(e.param.data).float().cpu() for e in parameter_entries(loaded.model, loaded.topology)}
+    entries = parameter_entries(loaded.model, loaded.topology)
+    state = {e.global_name: e.view(e.param.data).float().cpu() for e in entries}
     HFConverter().from_mtl(loaded.config.model, state, folder, architecture="llama")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").to(device).eval()
     return model
@@ -124,7 +125,8 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-step-tokens", type=int, default=2048)
-    parser.add_argument("--kv-memory", default=None, help="default: 0.6 of free GPU memory (HF needs the rest), 64MiB on CPU")
+    parser.add_argument("--kv-memory", default=None,
+                        help="default: 0.6 of free GPU memory (HF needs the rest), 64MiB on CPU")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--out", default=None, help="also write the table (markdown) here")
     args = parser.parse_args(argv)
@@ -152,9 +154,10 @@ def main(argv=None) -> None:
             rows.append({"system": "hf-generate", "concurrency": concurrency,
                          **run_hf(hf, prompts, args.output_len, device)})
             print(json.dumps(rows[-1]), flush=True)
-    table = ["| system | concurrent requests | output tokens/s | TTFT ms | ms per output token |", "|---|---|---|---|---|"]
-    table += [f"| {r['system']} | {r['concurrency']} | {r['tokens_per_s']:.0f} | {r['ttft_ms']:.1f} | {r['tpot_ms']:.2f} |"
-              for r in rows]
+    table = ["| system | concurrent requests | output tokens/s | TTFT ms | ms per output token |",
+             "|---|---|---|---|---|"]
+    table += [f"| {r['system']} | {r['concurrency']} | {r['tokens_per_s']:.0f} | {r['ttft_ms']:.1f} "
+              f"| {r['tpot_ms']:.2f} |" for r in rows]
     text = (f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, {args.config}, prompt "
             f"{args.prompt_len}, output {args.output_len} tokens\n\n" + "\n".join(table) + "\n")
     print(text)

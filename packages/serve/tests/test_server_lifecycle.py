@@ -4,12 +4,11 @@ running stream finish before the process exits 0."""
 
 from __future__ import annotations
 
-import time
 
 import openai
 import pytest
 
-LONG = 200  # tokens: a request that is still running while the test acts
+LONG = 120  # tokens: a request that is still running while the test acts
 
 
 @pytest.fixture(scope="module")

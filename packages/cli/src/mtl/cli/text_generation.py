@@ -7,10 +7,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 from mtl.core.errors import ConfigError
 from mtl.models.generate import generate
+from mtl.serve.build import parse_device
 from mtl.train.inference import load_for_inference
 
 
@@ -19,20 +19,6 @@ class Generation:
     text: str  # the prompt followed by the continuation
     prompt_ids: list[int]
     new_ids: list[int]
-
-
-def parse_device(device: str) -> torch.device:
-    """``--device`` as a torch device that exists on this machine, else a ConfigError."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError) as exc:
-        raise ConfigError(f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from exc
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"--device {device!r}: CUDA is not available here; use --device cpu")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ConfigError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s)")
-    return dev
 
 
 def continuation_text(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:

@@ -28,17 +28,25 @@ def init_tp(tp: int) -> int:
     return dist.get_rank()
 
 
-def distributed_device(device: str | None, tp: int) -> torch.device:
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+def parse_device(device: str) -> torch.device:
+    """``--device`` as a torch device that exists on this machine, else a ConfigError."""
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError) as exc:
-        raise ConfigError(f"--device {device!r} is not a torch device (cpu, cuda, cuda:1)") from exc
+        raise ConfigError(f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from exc
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError(f"--device {device}: CUDA is not available here; use --device cpu")
-        if tp > 1:  # one GPU per rank
+            raise ConfigError(f"--device {device!r}: CUDA is not available here; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+def distributed_device(device: str | None, tp: int) -> torch.device:
+    """``--device`` (default: cuda when available); under TP each rank takes its LOCAL_RANK's GPU."""
+    dev = parse_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda":
+        if tp > 1:
             dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(dev)
     return dev

@@ -42,7 +42,8 @@ from mtl.serve.build import CPU_KV_MEMORY, GPU_KV_MEMORY, build_engine, distribu
               help="Weights and KV cache; auto: bfloat16 on CUDA, the stored precision on CPU.")
 @click.option("--tokenizer", default=None, metavar="NAME", help="Tokenizer instead of the checkpoint's.")
 @click.option("--tokenizer-model", default=None, type=click.Path(), metavar="PATH")
-@click.option("--iteration", default=None, type=click.IntRange(min=0), help="A committed iteration other than the latest.")
+@click.option("--iteration", default=None, type=click.IntRange(min=0),
+              help="A committed iteration other than the latest.")
 @click.option("--shutdown-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds running requests get to finish after SIGTERM before they are aborted.")
 def serve(checkpoint, host, port, tp, max_batch, max_step_tokens, max_waiting, block_size, kv_memory, api_key,

@@ -61,7 +61,8 @@ class Engine:
         self.config = config
         self.tokenizer = loaded.tokenizer
         m = loaded.config.model
-        self.context_length = m.max_position_embeddings or m.seq_length  # learned positions end there; RoPE was trained to it
+        # learned positions end there; a RoPE model was trained to it
+        self.context_length = m.max_position_embeddings or m.seq_length
         tp = loaded.topology.tp
         groups, head_dim = m.num_query_groups // tp, m.head_dim
         dtype = next(loaded.model.parameters()).dtype

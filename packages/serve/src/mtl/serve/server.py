@@ -15,7 +15,7 @@ import hmac
 import json
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -93,7 +93,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None,
         if name != model_name:
             raise RequestError(f"model: {name!r} is not served here; this server serves {model_name!r}", "model")
 
-    async def run(prompts: list[list[int]], req, max_tokens, logprobs, writer: ResponseWriter, http: Request):
+    async def run(prompts: list[list[int]], req, max_tokens, logprobs, writer: ResponseWriter):
         outputs: asyncio.Queue = asyncio.Queue()
         choices: dict[int, ChoiceState] = {}
         try:
@@ -142,16 +142,16 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None,
                 engine_loop.abort(rid)
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, http: Request):
+    async def completions(req: CompletionRequest):
         check_model(req.model)
         if req.echo:
             raise RequestError("echo: not supported; the prompt is not repeated in the completion", "echo")
         prompts = _prompt_ids(req.prompt, tokenizer)
-        return await run(prompts, req, req.max_tokens, req.logprobs, ResponseWriter("completion", model_name,
-                                                                                    tokenizer), http)
+        writer = ResponseWriter("completion", model_name, tokenizer)
+        return await run(prompts, req, req.max_tokens, req.logprobs, writer)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest, http: Request):
+    async def chat_completions(req: ChatRequest):
         check_model(req.model)
         if chat_template is None:
             raise NoChatTemplate(f"messages: model {model_name!r} has no chat template (its tokenizer files hold no "
@@ -163,7 +163,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None,
             raise RequestError(str(exc), "messages") from None
         prompt_ids = tokenizer.encode(text)
         return await run([prompt_ids], req, req.token_limit, req.logprob_count,
-                         ResponseWriter("chat", model_name, tokenizer), http)
+                         ResponseWriter("chat", model_name, tokenizer))
 
     @app.get("/v1/models")
     async def models():
