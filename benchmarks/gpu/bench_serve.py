@@ -151,9 +151,12 @@ def main(argv=None) -> None:
         rows.append({"system": "mtl-serve", "concurrency": concurrency, **run_mtl(engine, prompts, args.output_len)})
         print(json.dumps(rows[-1]), flush=True)
         if hf is not None:
-            rows.append({"system": "hf-generate", "concurrency": concurrency,
-                         **run_hf(hf, prompts, args.output_len, device)})
-            print(json.dumps(rows[-1]), flush=True)
+            try:
+                rows.append({"system": "hf-generate", "concurrency": concurrency,
+                             **run_hf(hf, prompts, args.output_len, device)})
+                print(json.dumps(rows[-1]), flush=True)
+            except Exception as exc:  # a peer's failure is a row of the table, not the end of the run
+                print(f"hf-generate at {concurrency}: failed: {str(exc).splitlines()[-1] if str(exc) else exc!r}")
     table = ["| system | concurrent requests | output tokens/s | TTFT ms | ms per output token |",
              "|---|---|---|---|---|"]
     table += [f"| {r['system']} | {r['concurrency']} | {r['tokens_per_s']:.0f} | {r['ttft_ms']:.1f} "

@@ -32,6 +32,10 @@ class _Sink:
     first_token: bool = False
 
 
+class EngineStopped(MtlError):
+    """The engine thread is not running (it failed, or the server is shutting down): HTTP 503."""
+
+
 class EngineLoop:
     def __init__(self, engine: Engine, metrics: ServeMetrics):
         self.engine = engine
@@ -47,9 +51,15 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
     def submit(self, prompt_ids: list[int], params: SamplingParams, outputs: asyncio.Queue) -> int:
         """Queue a request whose outputs go to ``outputs``; its id. RequestError for a bad
         request, QueueFull when the waiting queue is full."""
+        if not self._thread.is_alive():
+            raise EngineStopped("the engine is not running (see the server's log); no request is taken")
         self.engine.check(prompt_ids, params)
         with self._lock:
             if self._pending_adds + len(self.engine.scheduler.waiting) >= self.engine.config.max_waiting:

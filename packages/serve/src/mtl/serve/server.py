@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from mtl.serve.chat import ChatTemplate, NoChatTemplate
 from mtl.serve.engine import QueueFull, RequestError
-from mtl.serve.engine_loop import EngineLoop
+from mtl.serve.engine_loop import EngineLoop, EngineStopped
 from mtl.serve.protocol import ChatRequest, CompletionRequest
 from mtl.serve.responses import ChoiceState, ResponseWriter
 
@@ -86,6 +86,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None,
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(RequestError, lambda _r, exc: error_response(400, str(exc), exc.param))
     app.add_exception_handler(QueueFull, lambda _r, exc: error_response(429, str(exc), None, "rate_limit_error"))
+    app.add_exception_handler(EngineStopped, lambda _r, exc: error_response(503, str(exc), None, "server_error"))
     app.add_exception_handler(NoChatTemplate, lambda _r, exc: error_response(400, str(exc), "messages"))
     app.add_middleware(_Guard, api_key=api_key, metrics=engine_loop.metrics)
 
@@ -172,6 +173,8 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None,
 
     @app.get("/health")
     async def health():
+        if not engine_loop.running:
+            return error_response(503, "the engine is not running", None, "server_error")
         return {"status": "ok"}
 
     @app.get("/metrics")
