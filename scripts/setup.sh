@@ -23,7 +23,7 @@ if [ "$TORCH" != "installed" ]; then
 fi
 "${PIP[@]}" \
   -e packages/core -e "packages/parallel[test]" -e "packages/models[test]" -e "packages/data[test]" \
-  -e "packages/ckpt[test]" -e "packages/train[test]" -e "packages/cli[test]" -e "packages/quant[test]" -e "packages/te[test]" \
+  -e "packages/ckpt[test]" -e "packages/train[test]" -e "packages/serve[test]" -e "packages/cli[test]" -e "packages/quant[test]" -e "packages/te[test]" \
   -e examples/plugins/mtl-example-plugin -e examples/plugins/mtl-example-family pytest pytest-timeout nox
 # Triton for running mtl's Triton kernels in its interpreter on CPU (tests/test_triton_interpreted.py),
 # in a folder of its own: the rest of the suite sees the CPU-only torch as users have it. Triton

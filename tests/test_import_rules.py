@@ -13,7 +13,8 @@ ALLOWED = {
     "data": {"core"},
     "ckpt": {"core"},
     "train": {"core", "parallel", "models", "data", "ckpt"},
-    "cli": {"core", "parallel", "models", "data", "ckpt", "train"},
+    "serve": {"core", "parallel", "models", "data", "ckpt"},
+    "cli": {"core", "parallel", "models", "data", "ckpt", "train", "serve"},
     "te": {"core", "parallel"},
     "quant": {"core", "parallel"},
 }

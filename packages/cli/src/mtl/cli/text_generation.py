@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
-from mtl.core.errors import ConfigError
+from mtl.core.device import parse_device
+from mtl.core.errors import ConfigError, NotInstalledError
 from mtl.models.generate import generate
 from mtl.train.inference import load_for_inference
 
@@ -18,20 +19,6 @@ class Generation:
     text: str  # the prompt followed by the continuation
     prompt_ids: list[int]
     new_ids: list[int]
-
-
-def parse_device(device: str) -> torch.device:
-    """``--device`` as a torch device that exists on this machine, else a ConfigError."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError) as exc:
-        raise ConfigError(f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from exc
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"--device {device!r}: CUDA is not available here; use --device cpu")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ConfigError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s)")
-    return dev
 
 
 def continuation_text(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
@@ -95,3 +82,75 @@ def generate_from_checkpoint(checkpoint: str, prompt: str, *, max_new_tokens: in
 
 def generate_text(checkpoint: str, prompt: str, **kwargs) -> str:
     return generate_from_checkpoint(checkpoint, prompt, **kwargs).text
+
+
+# What a line of `mtl generate --input` may set for its own prompt; its other keys are copied to
+# its output line (ids, metadata).
+_LINE_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop")
+
+
+def read_prompt_lines(path: str) -> list[dict]:
+    """The JSON objects of a JSONL file, each with a non-empty string ``prompt``."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ConfigError(f"--input {path}: cannot read it ({exc.strerror})") from exc
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}:{number}: not JSON ({exc.msg}); each line is {{\"prompt\": \"...\"}}") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
+            raise ConfigError(f"{path}:{number}: each line needs a non-empty string \"prompt\"")
+        records.append({**record, "_line": number})
+    if not records:
+        raise ConfigError(f"--input {path} holds no prompts (one JSON object per line: {{\"prompt\": \"...\"}})")
+    return records
+
+
+def generate_batch(checkpoint: str, input_path: str, output_path: str, *, max_new_tokens: int = 64,
+                   temperature: float = 1.0, top_k: int = 0, seed: int = 0, device: str = "cpu",
+                   tokenizer: str | None = None, tokenizer_model: str | None = None, iteration: int | None = None,
+                   max_batch: int = 64, kv_memory: str | None = None) -> int:
+    """Every prompt of a JSONL file through mtl-serve's engine (continuous batching over a paged
+    KV cache), in the file's order to ``output_path``; each request samples as `mtl generate`
+    does for that prompt alone. Returns how many prompts."""
+    from tqdm import tqdm
+
+    try:
+        from mtl.serve.build import build_engine
+        from mtl.serve.engine import RequestError
+        from mtl.serve.sampling import SamplingParams
+    except ImportError as exc:
+        raise NotInstalledError("mtl generate --input runs mtl-serve's engine: pip install mtl-serve") from exc
+
+    records = read_prompt_lines(input_path)
+    engine = build_engine(checkpoint, device=parse_device(device), dtype=None, kv_memory=kv_memory,
+                          max_batch=max_batch, tokenizer=tokenizer, tokenizer_model=tokenizer_model,
+                          iteration=iteration)
+    defaults = {"max_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "seed": seed}
+    prompts, params = [], []
+    for record in records:
+        chosen = {**defaults, **{k: record[k] for k in _LINE_SAMPLING if k in record}}
+        if isinstance(chosen.get("stop"), str):
+            chosen["stop"] = [chosen["stop"]]
+        chosen["stop"] = tuple(chosen.get("stop") or ())
+        prompt_ids = engine.tokenizer.encode(record["prompt"])
+        try:
+            engine.check(prompt_ids, SamplingParams(**chosen))
+        except (RequestError, TypeError) as exc:
+            raise ConfigError(f"{input_path}:{record['_line']}: {exc}") from None
+        prompts.append(prompt_ids)
+        params.append(SamplingParams(**chosen))
+    with tqdm(total=len(records), unit="prompt", desc="generate") as bar:
+        results = engine.generate(prompts, params, progress=bar.update)
+    with open(output_path, "w", encoding="utf-8") as out:
+        for record, outputs in zip(records, results):
+            extra = {k: v for k, v in record.items() if k not in _LINE_SAMPLING and k != "_line"}
+            out.write(json.dumps({**extra, "text": "".join(o.text for o in outputs),
+                                  "token_ids": [t for o in outputs for t in o.new_ids],
+                                  "finish_reason": outputs[-1].finish_reason}) + "\n")
+    return len(records)

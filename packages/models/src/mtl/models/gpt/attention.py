@@ -129,11 +129,16 @@ class SelfAttention(nn.Module):
             if rotary is not None:  # QK-norm: rotate the normalised query and key
                 cos, sin = rotary
                 query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
-        if inference_context is not None:
+        if getattr(inference_context, "attend", None) is not None:
+            # a paged KV cache (mtl.serve) packs many sequences into one row: it stores the keys
+            # and values in its blocks and attends over each sequence's own tokens itself
+            context = inference_context.attend(self.layer_number, query, key, value)
+        elif inference_context is not None:
             # [b, s, groups, d] -> all cached tokens [b, offset + s, groups, d]; the backend's
             # attention aligns the causal mask to the end when s_q < s_kv
             key, value = inference_context.append(self.layer_number, key, value)
-        if self.recompute_core_attention and self.training:
+            context = self.core_attention(query, key, value)
+        elif self.recompute_core_attention and self.training:
             context = checkpointed(self.core_attention, query, key, value)
         else:
             context = self.core_attention(query, key, value)  # [b, s, local_heads, d]

@@ -1,0 +1,129 @@
+"""The engine against `mtl.models.generate` (one prompt at a time, contiguous KV cache): the same
+tokens, greedy and seeded, for dense and MoE models, whatever shares the step; chunked prefill;
+stop strings; top-p; log-probabilities; blocks back in the pool after a finish or an abort."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mtl.core.errors import MtlError
+from mtl.models.generate import generate
+from mtl.serve.engine import Engine, EngineConfig, QueueFull, RequestError
+from mtl.serve.kv_cache import BlockManager, parse_kv_memory
+from mtl.serve.sampling import SamplingParams
+
+PROMPTS = ["Hello", "a", "The quick brown fox jumps over the lazy dog", "xyz" * 6, "0123456789"]
+CPU = torch.device("cpu")
+
+
+def engine_for(loaded, **config) -> Engine:
+    return Engine(loaded, EngineConfig(**{"kv_memory": "2MiB", "block_size": 4, **config}), CPU)
+
+
+def new_ids(outputs) -> list[int]:
+    return [t for out in outputs for t in out.new_ids]
+
+
+@pytest.mark.parametrize("model", [
+    {},  # Llama style: RoPE, RMSNorm, SwiGLU, grouped-query attention
+    {"position_embedding": "learned", "normalization": "layernorm", "activation": "gelu", "bias": True},
+    {"num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 16},  # MoE (dropless)
+], ids=["llama", "gpt2", "moe"])
+def test_tokens_equal_generate_greedy_and_seeded(make_model, model):
+    loaded = make_model(**model)
+    tok = loaded.tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS]
+    # a small step budget: the long prompts are read in chunks while the short ones decode
+    engine = engine_for(loaded, max_step_tokens=6)
+    for params in (SamplingParams(max_tokens=12, temperature=0),
+                   SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=5)):
+        outputs = engine.generate(prompts, [params] * len(prompts))
+        for prompt, outs in zip(prompts, outputs):
+            expected = generate(loaded.model, prompt, 12, temperature=params.temperature, top_k=params.top_k,
+                                eod=tok.eod, seed=params.seed or 0)
+            assert new_ids(outs) == expected
+            assert "".join(o.text for o in outs) == tok.decode(expected)
+    assert engine.blocks.blocks_in_use == 0 and engine.stats()["running"] == 0
+
+
+def test_abort_frees_blocks_at_once_and_others_continue(make_model):
+    loaded = make_model()
+    engine = engine_for(loaded)
+    prompt = loaded.tokenizer.encode("Hello there")
+    keep = engine.add(prompt, SamplingParams(max_tokens=20, temperature=0))
+    drop = engine.add(prompt * 3, SamplingParams(max_tokens=20, temperature=0))
+    for _ in range(5):
+        engine.step()
+    held = len(engine.blocks.tables[drop])
+    assert held >= math.ceil((len(prompt) * 3 + 4) / 4)
+    before = engine.blocks.blocks_in_use
+    engine.abort(drop)
+    assert engine.blocks.blocks_in_use == before - held
+    rest = []
+    while engine.has_work:
+        rest += engine.step()
+    assert {o.request_id for o in rest} == {keep}
+    assert engine.blocks.blocks_in_use == 0
+    expected = generate(loaded.model, prompt, 20, temperature=0, eod=loaded.tokenizer.eod)
+    assert new_ids(rest) == expected[5:]
+
+
+def test_stop_strings_top_p_and_logprobs(make_model):
+    loaded = make_model()
+    tok = loaded.tokenizer
+    engine = engine_for(loaded)
+    prompt = tok.encode("Hello")
+    greedy = generate(loaded.model, prompt, 10, temperature=0, eod=tok.eod)
+    text = tok.decode(greedy)
+    stop = text[3:5]
+    [outs] = engine.generate([prompt], [SamplingParams(max_tokens=10, temperature=0, stop=(stop,), logprobs=3)])
+    assert "".join(o.text for o in outs) == text[: text.index(stop)]
+    assert outs[-1].finish_reason == "stop"
+    with torch.no_grad():
+        logits = loaded.model(torch.tensor([prompt]))[0, -1, : loaded.config.model.vocab_size].float()
+    first = outs[0].logprobs[0]
+    assert first.logprob == pytest.approx(float(torch.log_softmax(logits, -1)[greedy[0]]), abs=1e-5)
+    assert list(first.top)[0] == greedy[0] and len(first.top) == 3
+    # top_p this small keeps only the most likely token: sampling is then greedy
+    [nucleus] = engine.generate([prompt], [SamplingParams(max_tokens=10, temperature=1.0, top_p=1e-6, seed=1)])
+    assert new_ids(nucleus) == greedy
+
+
+def test_requests_are_checked_before_they_queue(make_model):
+    loaded = make_model()
+    engine = engine_for(loaded, max_waiting=1)
+    with pytest.raises(RequestError) as err:
+        engine.add([1] * 64, SamplingParams())
+    assert err.value.param == "prompt" and "context of 64" in str(err.value)
+    with pytest.raises(RequestError) as err:
+        engine.add([1] * 10, SamplingParams(max_tokens=60))
+    assert err.value.param == "max_tokens"
+    with pytest.raises(RequestError) as err:
+        engine.add([1], SamplingParams(top_p=0))
+    assert err.value.param == "top_p"
+    engine.add([1], SamplingParams(max_tokens=2))
+    with pytest.raises(QueueFull):
+        engine.add([1], SamplingParams(max_tokens=2))
+
+
+def test_block_manager_and_kv_memory(make_model):
+    blocks = BlockManager(num_blocks=6, block_size=4)
+    assert blocks.can_reserve(24) and not blocks.can_reserve(25)
+    blocks.reserve(0, 10)  # 3 blocks reserved, none held yet
+    assert blocks.blocks_in_use == 0 and blocks.unreserved == 3
+    assert len(blocks.grow(0, 5)) == 2 and blocks.blocks_in_use == 2
+    assert blocks.slots(0, 3, 6) == [blocks.tables[0][0] * 4 + 3, blocks.tables[0][1] * 4, blocks.tables[0][1] * 4 + 1]
+    with pytest.raises(RuntimeError):
+        blocks.grow(0, 13)
+    blocks.free(0)
+    assert blocks.blocks_in_use == 0 and blocks.unreserved == 6
+    assert parse_kv_memory("0.9") == ("fraction", 0.9)
+    assert parse_kv_memory("64MiB") == ("bytes", 64 * 2**20)
+    assert parse_kv_memory("2GB") == ("bytes", 2e9)
+    with pytest.raises(MtlError, match="--kv-memory 'lots'"):
+        parse_kv_memory("lots")
+    with pytest.raises(MtlError, match="give a size"):
+        engine_for(make_model(), kv_memory="0.5")
