@@ -74,6 +74,8 @@ def megatron_args(tp: int, pp: int, style: str) -> argparse.Namespace:
     moe = {}
     if style.startswith("moe"):
         moe = dict(MOE, moe_layer_freq=1 if style == "moe_all" else [0, 1, 0, 1])
+        if style == "moe":
+            moe["vocab_size"] = VOCAB_SIZE  # as a run with --vocab-size records it
     return argparse.Namespace(
         **MODEL,
         **(moe or {"num_experts": None}),
