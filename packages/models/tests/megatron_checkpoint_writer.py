@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import json
 import os
+import socket
 import sys
 
 import torch
@@ -48,6 +49,12 @@ ROPE_BASE = 500000
 MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_shared_expert_intermediate_size=80,
            moe_shared_expert_gate=True, moe_router_pre_softmax=False, moe_router_score_function="softmax",
            moe_aux_loss_coeff=0.0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def padded_vocab(tp: int) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import shutil
-import socket
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +34,9 @@ from mtl.models.param_layout import global_layout, load_global_state  # noqa: E4
 from mtl.parallel.topology import Topology  # noqa: E402
 
 WRITER = Path(__file__).with_name("megatron_checkpoint_writer.py")
+_spec = importlib.util.spec_from_file_location("megatron_checkpoint_writer", WRITER)
+writer = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(writer)  # tests import by path (pytest's importlib mode); it imports no megatron here
 VOCAB = 257
 # what a bare checkpoint (no Megatron-LM args) cannot tell; the writer's model
 BARE_OPTIONS = dict(
@@ -52,12 +55,6 @@ LAYOUTS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     """Each layout's checkpoint, written once per module on demand: {layout: out_dir}."""
@@ -67,7 +64,7 @@ def written(tmp_path_factory):
         if layout not in cache:
             out = tmp_path_factory.mktemp(f"megatron_{layout}")
             result = subprocess.run(
-                [sys.executable, str(WRITER), str(out), *LAYOUTS[layout], "--port", str(free_port())],
+                [sys.executable, str(WRITER), str(out), *LAYOUTS[layout], "--port", str(writer.free_port())],
                 capture_output=True, text=True, timeout=300,
             )
             assert result.returncode == 0, result.stderr[-4000:]

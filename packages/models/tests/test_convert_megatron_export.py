@@ -13,6 +13,7 @@ trip mtl -> Megatron -> mtl is bit-exact.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -23,8 +24,6 @@ import torch
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (the test extra)")
 
-from test_convert_megatron import WRITER, free_port  # noqa: E402
-
 from mtl.core.config_io import config_from_dict  # noqa: E402
 from mtl.core.errors import CheckpointError, ConfigError  # noqa: E402
 from mtl.core.plugins import registry  # noqa: E402
@@ -32,6 +31,10 @@ from mtl.models.convert_megatron import MegatronConverter  # noqa: E402
 from mtl.models.param_layout import gather_global_state  # noqa: E402
 from mtl.parallel.topology import Topology  # noqa: E402
 
+WRITER = Path(__file__).with_name("megatron_checkpoint_writer.py")
+_spec = importlib.util.spec_from_file_location("megatron_checkpoint_writer", WRITER)
+writer = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(writer)  # for free_port (pytest's importlib mode imports tests by path)
 VOCAB = 300
 LLAMA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
              vocab_size=VOCAB, seq_length=16, normalization="rmsnorm", activation="swiglu", position_embedding="rope",
@@ -73,7 +76,7 @@ def exported(tmp_path_factory):
         results[model, tp, spec] = (out, state, net)
     (root / "jobs.json").write_text(json.dumps(jobs))
     result = subprocess.run([sys.executable, str(WRITER), "--load", str(root / "jobs.json"), "--world-size", "2",
-                             "--port", str(free_port())], capture_output=True, text=True, timeout=300)
+                             "--port", str(writer.free_port())], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     return results
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import contextlib
 import inspect
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -121,6 +123,23 @@ def _check_fits(metas: dict[str, torch.Tensor], layout: dict, src: str) -> None:
             raise CheckpointError(f"{src}: {name} converts to shape {tuple(metas[name].shape)}, the model's is {tuple(global_shape)}")
 
 
+class _EchoWarnings(logging.Handler):
+    """A converter's logged warnings (e.g. an unknown true vocabulary) as ``warning:`` lines."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(f"warning: {record.getMessage()}", err=True)
+
+
+@contextlib.contextmanager
+def _converter_warnings_shown():
+    logger, handler = logging.getLogger("mtl.models"), _EchoWarnings(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
 def _converted_tensors(converter, src_dir: Path, options: dict[str, Any]):
     """(model section, name -> meta tensor, iterator of (name, tensor)) from any converter."""
     if hasattr(converter, "stream_to_mtl"):
@@ -203,7 +222,8 @@ def to_mtl(src: str, dst: str, *, src_format: str = "hf", family: str | None = N
     takes = inspect.signature(getattr(converter, "stream_to_mtl", converter.to_mtl)).parameters
     if tokenizer is not None and "tokenizer_vocab_size" in takes:
         options["tokenizer_vocab_size"] = _tokenizer_vocab_size(tokenizer_folder, tokenizer)
-    section, metas, tensors = _converted_tensors(converter, src_dir, options)
+    with _converter_warnings_shown():
+        section, metas, tensors = _converted_tensors(converter, src_dir, options)
     data = {"tokenizer": tokenizer[0], "tokenizer_model": tokenizer[1]} if tokenizer else {}
     cfg = config_from_dict({"model": {**section, "family": family}, "parallel": {"tp": tp, "pp": pp}, "data": data},
                            source=f"the config converted from {src_dir}")
