@@ -51,8 +51,9 @@ EXPORTS = [("llama", 1, "local"), ("llama", 2, "te"), ("gpt2", 1, "te"), ("gpt2"
            ("moe", 1, "te"), ("moe", 2, "local")]
 
 
-def build(model: str):
-    cfg = config_from_dict({"model": MODELS[model], "train": {"precision": "fp32"}}, source="test").resolve(world_size=1)
+def build(model: str, **overrides):
+    section = {**MODELS[model], **overrides}
+    cfg = config_from_dict({"model": section, "train": {"precision": "fp32"}}, source="test").resolve(world_size=1)
     torch.manual_seed(sorted(MODELS).index(model))
     net = registry("model family").get("gpt").build(cfg, Topology.single(), registry("backend").get("local"))
     with torch.no_grad():  # norms start at one and biases at zero: move them so a wrong mapping shows
@@ -141,3 +142,13 @@ def test_refusals(tmp_path):
     with pytest.raises(CheckpointError, match="iter_0000007 does not exist.*release"):
         MegatronConverter().to_mtl(tmp_path / "d", iteration=7)
     assert Path(tmp_path / "d" / "release" / ".metadata").is_file()
+
+
+def test_round_trip_of_a_gated_mlp_with_biases(tmp_path):
+    """Llama with every linear biased: the gated fc1 bias is [2 * ffn] in Megatron, [2, ffn] here."""
+    cfg, net = build("llama", bias=True)
+    state = gather_global_state(net, Topology.single())
+    MegatronConverter().from_mtl(cfg.model, state, tmp_path / "out", iteration=1)
+    section, back = MegatronConverter().to_mtl(tmp_path / "out")
+    assert section["bias"] and back["layers.0.mlp.linear_fc1.bias"].shape == (2, 48)
+    assert sorted(back) == sorted(state) and all(torch.equal(back[n], t) for n, t in state.items())

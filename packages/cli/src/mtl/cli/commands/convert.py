@@ -49,8 +49,8 @@ class _HFArchitectureOption(click.Option):
 
 @click.command()
 @click.option("--from", "src_format", required=True, metavar="NAME",
-              help="mtl, or a converter of an installed model family (e.g. hf); see `mtl plugins`.")
-@click.option("--to", "dst_format", required=True, metavar="NAME", help="mtl, or a converter that exports (e.g. hf).")
+              help="mtl, or a converter of an installed model family (e.g. hf, megatron); see `mtl plugins`.")
+@click.option("--to", "dst_format", required=True, metavar="NAME", help="mtl, or a converter that exports (e.g. hf, megatron).")
 @click.option("--family", default=None,
               help="Model family whose converter to use [default: the one that has it / the checkpoint's].")
 @click.option("--tp", default=1, show_default=True, type=click.IntRange(min=1),
@@ -59,15 +59,15 @@ class _HFArchitectureOption(click.Option):
 @click.option("--pp", default=1, show_default=True, type=click.IntRange(min=1),
               help="--to mtl / megatron: the pipeline-parallel size recorded in its config / args.")
 @click.option("--vocab-size", default=None, type=click.IntRange(min=1),
-              help="--from megatron (or another converter): the true vocabulary, where the checkpoint's args "
-                   "and tokenizer do not tell it.")
+              help="--to mtl: the true vocabulary of a source that pads it (megatron) [default: its args.vocab_size, "
+                   "else the tokenizer's].")
 @click.option("--iteration", default=None, type=click.IntRange(min=1),
               help="--from megatron: the iteration of the save directory to read [default: "
                    "latest_checkpointed_iteration.txt's]; --to megatron: the iteration to write it as "
                    "[default: the checkpoint's, or 'release' for iteration 0].")
 @click.option("--tokenizer", "tokenizer_dir", default=None, type=click.Path(exists=True, file_okay=False),
-              help="--from megatron: a folder of HF tokenizer files (tokenizer.json, vocab.json + merges.txt or "
-                   "tokenizer.model) to carry along and take the true vocabulary from [default: SRC's].")
+              help="--to mtl: a folder of tokenizer files (tokenizer.json, vocab.json + merges.txt or "
+                   "tokenizer.model) to carry along (megatron: and take the true vocabulary from) [default: SRC's].")
 @click.option("--te/--local", "te", default=False, show_default=True,
               help="--to megatron: tensor names of Megatron-Core's Transformer-Engine layer spec, or of its local one.")
 @click.option("--hf-architecture", cls=_HFArchitectureOption, default=None,

@@ -55,12 +55,15 @@ TOP_EXPORT = {"final_norm.weight": "decoder.final_layernorm.weight", "final_norm
 VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 # the linear modules carrying ``_extra_state`` (None from Megatron's local linears; FP8
-# metadata from TE's), by layer kind; the TE spec adds its attention kernel's
+# metadata from TE's), by layer kind; the TE spec adds its attention kernel's and, where a TE
+# version gives its norm modules one, theirs (an object the model does not ask for is ignored
+# on load, a missing one fails it)
 DENSE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 MOE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj")
 SHARED_MODULES = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
 EXPERT_MODULES = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
 TE_ONLY_MODULES = ("self_attention.core_attention",)
+TE_QK_NORMS = ("self_attention.q_layernorm", "self_attention.k_layernorm")
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
 
 
@@ -116,10 +119,15 @@ def export_checkpoint(m, source, dst_dir: str | Path, *, tp: int = 1, pp: int = 
     return sorted(str(p.relative_to(dst_dir)) for p in folder.rglob("*") if p.is_file()) + [TRACKER]
 
 
+def _layer_kinds(m) -> tuple[set[int], bool]:
+    """(the MoE layers, whether every layer is alike: Megatron then stacks them on one axis)."""
+    moe_layers = set(m.moe_layers or [])
+    return moe_layers, not moe_layers or moe_layers == set(range(m.num_layers))
+
+
 def _megatron_state(m, source, tp: int, spec: str) -> dict[str, torch.Tensor]:
     """Megatron's sharded key -> global tensor, every mtl tensor placed once."""
-    moe_layers = set(m.moe_layers or [])
-    stacked = not moe_layers or moe_layers == set(range(m.num_layers))
+    moe_layers, stacked = _layer_kinds(m)
     per_layer: dict[str, list[torch.Tensor | None]] = {}
     state: dict[str, torch.Tensor] = {}
     for name in source.names():
@@ -170,12 +178,15 @@ def _extra_states(m, spec: str) -> dict[str, io.BytesIO]:
     """``{key}/shard_{offset}_{shape}`` for each module's ``_extra_state`` ShardedObject
     (offsets: the layer axis when stacked, then the expert axis), holding None: a local
     linear's state, and TE's without FP8 history."""
-    moe_layers = set(m.moe_layers or [])
-    stacked = not moe_layers or moe_layers == set(range(m.num_layers))
-    te_only = TE_ONLY_MODULES if spec == "te" else ()
+    moe_layers, stacked = _layer_kinds(m)
     objects: dict[str, io.BytesIO] = {}
+    if spec == "te":
+        objects[_unique_key("decoder.final_layernorm._extra_state", (), ())] = _sharded_object(None)
     for layer in range(m.num_layers):
         moe = layer in moe_layers
+        te_only = ()
+        if spec == "te":
+            te_only = TE_ONLY_MODULES + (TE_QK_NORMS if m.qk_norm else ()) + (("pre_mlp_layernorm",) if moe else ())
         modules = (MOE_MODULES + (SHARED_MODULES if m.moe_shared_expert_ffn_hidden_size else ())) if moe \
             else DENSE_MODULES
         prefix, offset, shape = ("decoder.layers.", (layer,), (m.num_layers,)) if stacked else \

@@ -132,8 +132,11 @@ class TensorPlan:
         shape = self.raw_shapes[name]
         if name in VOCAB_TABLES:
             return (vocab_size, *shape[1:])
-        if gated and name.split(".", 2)[-1] in FC1_NAMES:
+        suffix = name.split(".", 2)[-1]
+        if gated and suffix in FC1_NAMES:
             return (*shape[:-2], 2, shape[-2] // 2, shape[-1])
+        if gated and suffix == "mlp.linear_fc1.bias":  # [2 * ffn] -> our [2, ffn]
+            return (2, shape[0] // 2)
         return shape
 
 
