@@ -11,6 +11,7 @@ experts grouped (``mlp.experts.experts.linear_fc1.weight [E, 2 * ffn, h]``); the
 padded with zero rows to ``padded_vocab_size`` for the target ``tp``; the linear modules' ``_extra_state``
 objects Megatron asks for (None, as its local linears save them; ``spec="te"`` adds TE's
 attention kernel's, and keeps an MoE layer's pre-MLP norm as ``pre_mlp_layernorm``).
+Each tensor is built from the mtl tensors only when DCP writes it (``_LazyPlanner``).
 Optimizer state is not exported: Megatron's distributed-optimizer layout is per parameter
 bucket, which mtl's global moments do not fix; Megatron-LM resumes from weights with
 ``--no-load-optim``.
@@ -22,7 +23,7 @@ import io
 import json
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -102,13 +103,15 @@ def export_checkpoint(m, source, dst_dir: str | Path, *, tp: int = 1, pp: int = 
     folder = dst_dir / iteration_folder(iteration)
     if folder.exists() and any(folder.iterdir()):
         raise CheckpointError(f"{folder} exists and is not empty; export into a new directory")
-    state = _megatron_state(m, as_source(source), tp, spec)
-    dtype = state["embedding.word_embeddings.weight"].dtype
+    plan = _megatron_plan(m, as_source(source), tp, spec)
+    dtype = plan["embedding.word_embeddings.weight"][0].dtype
+    state: dict[str, Any] = {key: meta for key, (meta, _) in plan.items()}
     state.update(_extra_states(m, spec))
     folder.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "no process group: assuming a single process"
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), planner=_PackedObjectsPlanner(), no_dist=True)
+        planner = _LazyPlanner({key: build for key, (_, build) in plan.items()})
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), planner=planner, no_dist=True)
     args = megatron_args(m, tp=tp, pp=pp, spec=spec, iteration=number,
                          bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
     torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": number}, folder / COMMON)
@@ -125,40 +128,62 @@ def _layer_kinds(m) -> tuple[set[int], bool]:
     return moe_layers, not moe_layers or moe_layers == set(range(m.num_layers))
 
 
-def _megatron_state(m, source, tp: int, spec: str) -> dict[str, torch.Tensor]:
-    """Megatron's sharded key -> global tensor, every mtl tensor placed once."""
+Build = Callable[[], torch.Tensor]
+
+
+def _megatron_plan(m, source, tp: int, spec: str) -> dict[str, tuple[torch.Tensor, Build]]:
+    """Megatron's sharded key -> (meta tensor of its global shape, how to build it from the
+    source's tensors), every mtl tensor placed once; nothing is read yet."""
     moe_layers, stacked = _layer_kinds(m)
-    per_layer: dict[str, list[torch.Tensor | None]] = {}
-    state: dict[str, torch.Tensor] = {}
+    gated = m.activation == "swiglu"
+    per_layer: dict[str, list[str | None]] = {}
+    plan: dict[str, tuple[torch.Tensor, Build]] = {}
     for name in source.names():
-        tensor = source.get(name)
+        meta = source.meta(name)
         if name.startswith("layers."):
             _, layer, suffix = name.split(".", 2)
-            layer = int(layer)
-            key = megatron_layer_name(suffix, layer in moe_layers, spec)
-            tensor = megatron_tensor(suffix, tensor, m.activation == "swiglu")
+            key = megatron_layer_name(suffix, int(layer) in moe_layers, spec)
             if stacked:
-                per_layer.setdefault(key, [None] * m.num_layers)[layer] = tensor
+                per_layer.setdefault(key, [None] * m.num_layers)[int(layer)] = name
             else:
-                state[f"decoder.layers.{layer}.{key}"] = tensor
+                plan[f"decoder.layers.{layer}.{key}"] = (
+                    megatron_tensor(suffix, meta, gated), lambda n=name, s=suffix: megatron_tensor(s, source.get(n), gated))
         elif name in VOCAB:
-            padded = padded_vocab_size(tensor.shape[0], m.make_vocab_size_divisible_by, tp)
-            state[name] = torch.cat((tensor, tensor.new_zeros(padded - tensor.shape[0], *tensor.shape[1:])))
+            rows = padded_vocab_size(meta.shape[0], m.make_vocab_size_divisible_by, tp)
+            plan[name] = (meta.new_empty(rows, *meta.shape[1:]), lambda n=name, r=rows: _padded(source.get(n), r))
         else:
-            state[TOP_EXPORT.get(name, name)] = tensor
-    for key, layers in per_layer.items():
-        if any(t is None for t in layers):
+            plan[TOP_EXPORT.get(name, name)] = (meta, lambda n=name: source.get(n))
+    for key, names in per_layer.items():
+        if None in names:
             raise CheckpointError(f"the mtl checkpoint lacks decoder.layers.{key} for layers "
-                                  f"{[i for i, t in enumerate(layers) if t is None]}")
-        state[f"decoder.layers.{key}"] = torch.stack(layers)
-    if "embedding.word_embeddings.weight" not in state:
+                                  f"{[i for i, n in enumerate(names) if n is None]}")
+        suffix = names[0].split(".", 2)[2]
+        meta = torch.stack([megatron_tensor(suffix, source.meta(n), gated) for n in names])
+        plan[f"decoder.layers.{key}"] = (
+            meta, lambda ns=names, s=suffix: torch.stack([megatron_tensor(s, source.get(n), gated) for n in ns]))
+    if "embedding.word_embeddings.weight" not in plan:
         raise CheckpointError("the mtl checkpoint has no embedding.word_embeddings.weight; not a gpt model")
-    return state
+    return plan
 
 
-class _PackedObjectsPlanner(DefaultSavePlanner):
-    """Writes a ``BytesIO`` value's bytes as they are (as Megatron's save planner does), where
-    the default planner would pickle the ``BytesIO`` object itself."""
+def _padded(table: torch.Tensor, rows: int) -> torch.Tensor:
+    """The vocabulary table with zero rows up to Megatron's padded size."""
+    return torch.cat((table, table.new_zeros(rows - table.shape[0], *table.shape[1:])))
+
+
+class _LazyPlanner(DefaultSavePlanner):
+    """Plans from meta tensors and builds each tensor only when DCP writes it (one stored
+    tensor in memory at a time, a layer stack for a stacked key); writes a ``BytesIO`` value's
+    bytes as they are (as Megatron's save planner does), where the default planner would
+    pickle the ``BytesIO`` object itself."""
+
+    def __init__(self, builds: dict[str, Build]):
+        super().__init__()
+        self.builds = builds
+
+    def lookup_object(self, index):
+        build = self.builds.get(index.fqn)
+        return build() if build is not None else super().lookup_object(index)
 
     def transform_object(self, write_item: WriteItem, object: Any):
         if write_item.type == WriteItemType.BYTE_IO and isinstance(object, io.BytesIO):
