@@ -25,6 +25,10 @@ below ``args.vocab_size`` saved to FILE. ``te``: the checkpoint follows the Tran
 spec's keys, which CPU cannot build (no TE); the local modules' sharded state dict is renamed
 to them (an MoE layer's ``pre_mlp_layernorm``) and asks for TE's ``_extra_state`` objects too.
 
+``--real-te`` (GPUs with Transformer Engine, one per rank): the TE-named jobs load into a
+GPTModel of Megatron-Core's TE spec itself (``MTL_MEGATRON_REAL_TE=1`` makes the export test
+pass it).
+
 Megatron-Core calls a few CUDA functions even on CPU; they are stubbed here (``synchronize``,
 ``current_device`` and the model-parallel RNG tracker's ``fork``: dropout is 0), and the MoE
 router's Transformer-Engine GEMM name is defined as None (its torch path).
@@ -111,13 +115,18 @@ def megatron_args(tp: int, pp: int, style: str) -> argparse.Namespace:
     )
 
 
-def build_model(args: argparse.Namespace, tp: int, pp: int):
-    """A GPTModel of Megatron-Core's local spec from Megatron-LM ``args`` (what Megatron-LM's
-    ``core_transformer_config_from_args`` + ``model_provider`` take from them), fp32 on CPU."""
+def build_model(args: argparse.Namespace, tp: int, pp: int, te: bool = False):
+    """A GPTModel of Megatron-Core's local spec (``te``: its Transformer-Engine spec, on the
+    GPU) from Megatron-LM ``args`` (what Megatron-LM's ``core_transformer_config_from_args`` +
+    ``model_provider`` take from them), fp32."""
     import torch.nn.functional as F
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     moe = {}
@@ -132,7 +141,7 @@ def build_model(args: argparse.Namespace, tp: int, pp: int):
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
-        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32,
+        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=not te, params_dtype=torch.float32,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
@@ -140,7 +149,9 @@ def build_model(args: argparse.Namespace, tp: int, pp: int):
         **moe,
     )
     if moe:
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization)
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=args.normalization)
+    elif te:
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
     else:
         spec = get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -159,14 +170,14 @@ def forward(model, tokens: torch.Tensor, hidden_size: int, pp: int) -> torch.Ten
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    seq = tokens.shape[1]
-    positions = torch.arange(seq).unsqueeze(0).expand_as(tokens)
-    causal = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)  # True: masked
+    seq, device = tokens.shape[1], tokens.device
+    positions = torch.arange(seq, device=device).unsqueeze(0).expand_as(tokens)
+    causal = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device), diagonal=1)  # True: masked
     pp_rank, pp_group = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_group()
     model.eval()
     with torch.no_grad():
         if pp_rank > 0:  # the previous stage's hidden states [s, b, h]
-            received = torch.empty(seq, tokens.shape[0], hidden_size)
+            received = torch.empty(seq, tokens.shape[0], hidden_size, device=device)
             dist.recv(received, group_src=pp_rank - 1, group=pp_group)
             model.set_input_tensor(received)
         output = model(tokens, positions, causal)
@@ -175,10 +186,14 @@ def forward(model, tokens: torch.Tensor, hidden_size: int, pp: int) -> torch.Ten
     return output
 
 
-def init(rank: int, world_size: int, port: int) -> None:
+def init(rank: int, world_size: int, port: int, gpu: bool = False) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if gpu:  # one GPU per rank, NCCL: what Transformer Engine's modules need
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size)
+        return
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     stub_cuda()
 
@@ -230,27 +245,29 @@ def te_named(sharded: dict, args) -> dict:
     return requested
 
 
-def load_worker(rank, world_size, jobs, port) -> None:
+def load_worker(rank, world_size, jobs, port, real_te) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
 
-    init(rank, world_size, port)
+    init(rank, world_size, port, gpu=real_te)
     for job in jobs:
         args = torch.load(os.path.join(job["ckpt"], "common.pt"), weights_only=False)["args"]
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=job["tp"])
         torch.manual_seed(99)  # other weights than the checkpoint's: the load must replace them all
-        model = build_model(args, job["tp"], 1)
+        model = build_model(args, job["tp"], 1, te=real_te and job["te"])
+        if real_te:
+            model.cuda()
         sharded = model.sharded_state_dict()
-        if job["te"]:
+        if job["te"] and not real_te:
             sharded = te_named(sharded, args)
         loaded = dist_checkpointing.load({"model": sharded}, job["ckpt"])["model"]  # as Megatron-LM nests it
         extra = {k: loaded.pop(k) for k in list(loaded) if k.startswith("te_extra/")}
         assert all(v is None for v in extra.values()), "TE's extra states should hold None"
         model.load_state_dict(loaded, strict=True)
         tokens = torch.randint(0, args.vocab_size, (2, SEQ_LENGTH), generator=torch.Generator().manual_seed(0))
-        output = forward(model, tokens, args.hidden_size, 1)
+        output = forward(model, tokens.to("cuda" if real_te else "cpu"), args.hidden_size, 1).cpu()
         if rank == 0:
-            torch.save({"tokens": tokens, "logits": output, "extra_states": len(extra)}, job["out"])
+            torch.save({"tokens": tokens, "logits": output, "extra_states": len(extra), "real_te": real_te}, job["out"])
         parallel_state.destroy_model_parallel()
         dist.barrier()
     dist.destroy_process_group()
@@ -266,11 +283,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--singleton", action="store_true", help="save with singleton_local_shards")
     parser.add_argument("--load", help="a JSON file of load jobs")
     parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--real-te", action="store_true",
+                        help="--load on GPUs (NCCL, one per rank), TE-named jobs into the Transformer-Engine spec")
     parser.add_argument("--port", type=int, default=29511)
     a = parser.parse_args(argv)
     if a.load:
         jobs = json.loads(open(a.load).read())
-        torch.multiprocessing.spawn(load_worker, args=(a.world_size, jobs, a.port), nprocs=a.world_size)
+        torch.multiprocessing.spawn(load_worker, args=(a.world_size, jobs, a.port, a.real_te), nprocs=a.world_size)
         return
     world_size = a.tp * a.pp
     torch.multiprocessing.spawn(write_worker, args=(world_size, a.out_dir, a.tp, a.pp, a.bare, a.style, a.singleton, a.port),
