@@ -1,10 +1,12 @@
 """Megatron-Core itself on CPU/gloo: writes tiny GPT checkpoints (torch_dist) with the logits of
 its own forward, and loads checkpoints (ours) into a GPTModel built from their saved args.
 
-Write (run as a script: it spawns ``tp * pp`` processes)::
+Write (run as a script: it spawns ``--world-size`` processes, once for every job)::
 
-    python megatron_checkpoint_writer.py OUT_DIR --tp 2 --pp 1 [--bare] [--style STYLE] [--singleton]
+    python megatron_checkpoint_writer.py --write JOBS.json --world-size 2
 
+each job ``{"out": OUT_DIR, "tp": 2, "pp": 1, "bare": false, "style": STYLE, "singleton":
+false}`` (a job on fewer ranks than the world runs as data-parallel replicas):
 ``OUT_DIR/ckpt`` gets the distributed checkpoint and ``OUT_DIR/reference.pt`` a dict with
 ``tokens`` [b, s], ``logits`` [b, s, padded_vocab] (gathered over TP, from the last stage)
 and ``vocab_size``. Styles: ``llama`` (RMSNorm, SwiGLU, RoPE, GQA, untied, no biases),
@@ -198,31 +200,36 @@ def init(rank: int, world_size: int, port: int, gpu: bool = False) -> None:
     stub_cuda()
 
 
-def write_worker(rank, world_size, out_dir, tp, pp, bare, style, singleton, port) -> None:
+def write_worker(rank, world_size, jobs, port) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
 
     init(rank, world_size, port)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    torch.manual_seed(1234)
-    args = megatron_args(tp, pp, style)
-    model = build_model(args, tp, pp)
-    with torch.no_grad():  # norm weights start at one, biases at zero; move them so the test sees them
-        for name, param in model.named_parameters():
-            if "layernorm" in name or name.endswith("bias"):
-                param.add_(0.1 * torch.randn_like(param))
-    tokens = torch.randint(0, VOCAB_SIZE, (2, SEQ_LENGTH), generator=torch.Generator().manual_seed(0))
-    output = forward(model, tokens, MODEL["hidden_size"], pp)
-    checkpoint = os.path.join(out_dir, "ckpt")
-    os.makedirs(checkpoint, exist_ok=True)
-    metadata = {"singleton_local_shards": True} if singleton else None
-    state = {"model": model.sharded_state_dict(metadata=metadata)}
-    if not bare:
-        state.update(args=args, checkpoint_version=3.0, iteration=1)
-    dist_checkpointing.save(state, checkpoint)
-    if parallel_state.get_pipeline_model_parallel_rank() == pp - 1 and parallel_state.get_tensor_model_parallel_rank() == 0:
-        torch.save({"tokens": tokens, "logits": output, "vocab_size": VOCAB_SIZE}, os.path.join(out_dir, "reference.pt"))
-    dist.barrier()
+    for job in jobs:  # a job smaller than the world runs as data-parallel replicas
+        tp, pp, style = job.get("tp", 1), job.get("pp", 1), job.get("style", "llama")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        torch.manual_seed(1234)
+        args = megatron_args(tp, pp, style)
+        model = build_model(args, tp, pp)
+        with torch.no_grad():  # norm weights start at one, biases at zero; move them so the test sees them
+            for name, param in model.named_parameters():
+                if "layernorm" in name or name.endswith("bias"):
+                    param.add_(0.1 * torch.randn_like(param))
+        tokens = torch.randint(0, VOCAB_SIZE, (2, SEQ_LENGTH), generator=torch.Generator().manual_seed(0))
+        output = forward(model, tokens, MODEL["hidden_size"], pp)
+        checkpoint = os.path.join(job["out"], "ckpt")
+        os.makedirs(checkpoint, exist_ok=True)
+        metadata = {"singleton_local_shards": True} if job.get("singleton") else None
+        state = {"model": model.sharded_state_dict(metadata=metadata)}
+        if not job.get("bare"):
+            state.update(args=args, checkpoint_version=3.0, iteration=1)
+        dist_checkpointing.save(state, checkpoint)
+        if (parallel_state.get_pipeline_model_parallel_rank() == pp - 1 and parallel_state.get_tensor_model_parallel_rank() == 0
+                and parallel_state.get_data_parallel_rank() == 0):
+            torch.save({"tokens": tokens, "logits": output, "vocab_size": VOCAB_SIZE},
+                       os.path.join(job["out"], "reference.pt"))
+        parallel_state.destroy_model_parallel()
+        dist.barrier()
     dist.destroy_process_group()
 
 
@@ -275,25 +282,21 @@ def load_worker(rank, world_size, jobs, port, real_te) -> None:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir", nargs="?")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--bare", action="store_true", help="no args in common.pt")
-    parser.add_argument("--style", choices=("llama", "gpt2", "moe", "moe_all"), default="llama")
-    parser.add_argument("--singleton", action="store_true", help="save with singleton_local_shards")
+    parser.add_argument("--write", help="a JSON file of write jobs")
     parser.add_argument("--load", help="a JSON file of load jobs")
     parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--real-te", action="store_true",
                         help="--load on GPUs (NCCL, one per rank), TE-named jobs into the Transformer-Engine spec")
     parser.add_argument("--port", type=int, default=29511)
     a = parser.parse_args(argv)
-    if a.load:
+    if bool(a.write) == bool(a.load):
+        parser.error("give one of --write JOBS.json or --load JOBS.json")
+    if a.write:
+        jobs = json.loads(open(a.write).read())
+        torch.multiprocessing.spawn(write_worker, args=(a.world_size, jobs, a.port), nprocs=a.world_size)
+    else:
         jobs = json.loads(open(a.load).read())
         torch.multiprocessing.spawn(load_worker, args=(a.world_size, jobs, a.port, a.real_te), nprocs=a.world_size)
-        return
-    world_size = a.tp * a.pp
-    torch.multiprocessing.spawn(write_worker, args=(world_size, a.out_dir, a.tp, a.pp, a.bare, a.style, a.singleton, a.port),
-                                nprocs=world_size)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,10 @@ tested by re-saving a real checkpoint's tensors renamed.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import logging
 import shutil
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -44,32 +45,36 @@ BARE_OPTIONS = dict(
     activation="swiglu", position_embedding="rope", rope_theta=500000,
 )
 LAYOUTS = {
-    "tp1": ("--tp", "1"),
-    "tp2": ("--tp", "2"),
-    "pp2_bare": ("--pp", "2", "--bare"),
+    "tp1": {"tp": 1},
+    "tp2": {"tp": 2},
+    "pp2_bare": {"pp": 2, "bare": True},
     # LayerNorm with biases, GELU, learned positions, all linear biases, tied output
-    "gpt2_tp2": ("--tp", "2", "--style", "gpt2"),
+    "gpt2_tp2": {"tp": 2, "style": "gpt2"},
     # experts in layers 1 and 3, one key per expert; its args record --vocab-size 257
-    "moe_singleton": ("--style", "moe", "--singleton"),
-    "moe_all_tp2": ("--tp", "2", "--style", "moe_all"),  # experts in every layer, stacked
+    "moe_singleton": {"style": "moe", "singleton": True},
+    "moe_all_tp2": {"tp": 2, "style": "moe_all"},  # experts in every layer, stacked
 }
 
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
-    """Each layout's checkpoint, written once per module on demand: {layout: out_dir}."""
-    cache: dict[str, Path] = {}
+    """Every layout's checkpoint, written in one spawn of two processes on first use (each
+    spawn costs Megatron-Core's import per process): {layout: out_dir}."""
+    root = tmp_path_factory.mktemp("megatron_written")
+    outs = {layout: root / layout for layout in LAYOUTS}
+    jobs = [{"out": str(outs[layout]), **options} for layout, options in LAYOUTS.items()]
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    done = []
 
     def get(layout: str) -> Path:
-        if layout not in cache:
-            out = tmp_path_factory.mktemp(f"megatron_{layout}")
+        if not done:
             result = subprocess.run(
-                [sys.executable, str(WRITER), str(out), *LAYOUTS[layout], "--port", str(writer.free_port())],
-                capture_output=True, text=True, timeout=300,
+                [sys.executable, str(WRITER), "--write", str(root / "jobs.json"), "--world-size", "2",
+                 "--port", str(writer.free_port())], capture_output=True, text=True, timeout=600,
             )
             assert result.returncode == 0, result.stderr[-4000:]
-            cache[layout] = out
-        return cache[layout]
+            done.append(True)
+        return outs[layout]
 
     return get
 
@@ -94,7 +99,7 @@ def mtl_logits(section: dict, state: dict[str, torch.Tensor], tokens: torch.Tens
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_logits_equal_megatron(written, layout):
     out = written(layout)
-    options = BARE_OPTIONS if layout.endswith("bare") else {}
+    options = BARE_OPTIONS if LAYOUTS[layout].get("bare") else {}
     section, state = MegatronConverter().to_mtl(out / "ckpt", vocab_size=VOCAB, **options)
     reference = torch.load(out / "reference.pt")
     assert section["vocab_size"] == reference["vocab_size"] == VOCAB
