@@ -76,3 +76,13 @@ def test_megatron_save_directory_vocabulary_and_errors(tmp_path, mtl, ok, clean_
     clean_error(mtl("convert", "--from", "mtl", "--to", "hf", tmp_path / "mtl", tmp_path / "z", "--te"), "--te")
     clean_error(mtl("convert", "--from", "hf", "--to", "mtl", tmp_path / "hf", tmp_path / "z", "--iteration", 2),
                 "--iteration applies to --from megatron")
+
+
+def test_a_trained_checkpoint_exports_its_iteration_weights_only(trained_ckpt, tmp_path, mtl, ok):
+    out = ok(mtl("convert", "--from", "mtl", "--to", "megatron", trained_ckpt, tmp_path / "megatron"))
+    assert "weights only" in out and "--no-load-optim" in out  # its optimizer state stays behind
+    assert (tmp_path / "megatron" / "latest_checkpointed_iteration.txt").read_text() == "2"
+    ok(mtl("convert", "--from", "megatron", "--to", "mtl", tmp_path / "megatron", tmp_path / "back"))
+    first, second = CheckpointSource(trained_ckpt), CheckpointSource(tmp_path / "back")
+    assert sorted(first.names()) == sorted(second.names())
+    assert all(torch.equal(first.get(n), second.get(n)) for n in first.names())

@@ -339,8 +339,12 @@ def from_mtl(src: str, dst: str, *, dst_format: str = "hf", family: str | None =
     options = {k: v for k, v in options.items() if v is not None}
     dst_dir.mkdir(parents=True, exist_ok=True)
     files = converter.from_mtl(cfg.model, source, dst_dir, **options)
-    if dst_format == "megatron" and (src_dir / "tokenizer").is_dir():
-        shutil.copytree(src_dir / "tokenizer", dst_dir / "tokenizer", dirs_exist_ok=True)
+    if dst_format == "megatron":
+        if (src_dir / "tokenizer").is_dir():
+            shutil.copytree(src_dir / "tokenizer", dst_dir / "tokenizer", dirs_exist_ok=True)
+        if any(key.startswith("optimizer.") for key in read_manifest(str(src_dir), source.iteration)["tensors"]):
+            click.echo(f"note: {src_dir} holds optimizer state; the Megatron export is weights only (resume it in "
+                       "Megatron-LM with --no-load-optim, or from the release folder, which skips it)", err=True)
     if dst_format == "hf":
         _write_token_ids(dst_dir, src_dir, cfg, metadata)
         if (src_dir / "tokenizer").is_dir():
