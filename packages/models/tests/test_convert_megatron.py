@@ -1,18 +1,21 @@
 """Megatron-Core torch_dist checkpoints -> mtl: the converted model's logits equal Megatron's.
 
 ``megatron_checkpoint_writer.py`` (run as a subprocess: Megatron's save spawns processes)
-builds a tiny Llama-style Megatron-Core GPTModel at a TP/PP layout, runs it on fixed tokens
-and saves it; we convert, build mtl's model at tp=1 and compare logits on the true
-vocabulary. Megatron-Core saves its local spec's norms under the Transformer-Engine names
+builds a tiny Megatron-Core GPTModel (Llama style, GPT-2 style, or MoE with a gated shared
+expert) at a TP/PP layout, runs it on fixed tokens and saves it; we convert, build mtl's
+model at tp=1 and compare logits on the true vocabulary. The MoE checkpoints cover both of
+Megatron's expert layouts: grouped and stacked over layers (every layer MoE, tp=2), and one
+key per layer and per expert with the gated fc1 halves apart (``singleton_local_shards``). Megatron-Core saves its local spec's norms under the Transformer-Engine names
 (``self_attention.linear_qkv.layer_norm_weight``); the local names (``input_layernorm``) are
 tested by re-saving a real checkpoint's tensors renamed.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import logging
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +35,9 @@ from mtl.models.param_layout import global_layout, load_global_state  # noqa: E4
 from mtl.parallel.topology import Topology  # noqa: E402
 
 WRITER = Path(__file__).with_name("megatron_checkpoint_writer.py")
+_spec = importlib.util.spec_from_file_location("megatron_checkpoint_writer", WRITER)
+writer = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(writer)  # tests import by path (pytest's importlib mode); it imports no megatron here
 VOCAB = 257
 # what a bare checkpoint (no Megatron-LM args) cannot tell; the writer's model
 BARE_OPTIONS = dict(
@@ -39,35 +45,36 @@ BARE_OPTIONS = dict(
     activation="swiglu", position_embedding="rope", rope_theta=500000,
 )
 LAYOUTS = {
-    "tp1": ("--tp", "1"),
-    "tp2": ("--tp", "2"),
-    "pp2_bare": ("--pp", "2", "--bare"),
+    "tp1": {"tp": 1},
+    "tp2": {"tp": 2},
+    "pp2_bare": {"pp": 2, "bare": True},
     # LayerNorm with biases, GELU, learned positions, all linear biases, tied output
-    "gpt2_tp2": ("--tp", "2", "--style", "gpt2"),
+    "gpt2_tp2": {"tp": 2, "style": "gpt2"},
+    # experts in layers 1 and 3, one key per expert; its args record --vocab-size 257
+    "moe_singleton": {"style": "moe", "singleton": True},
+    "moe_all_tp2": {"tp": 2, "style": "moe_all"},  # experts in every layer, stacked
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
-    """Each layout's checkpoint, written once per module on demand: {layout: out_dir}."""
-    cache: dict[str, Path] = {}
+    """Every layout's checkpoint, written in one spawn of two processes on first use (each
+    spawn costs Megatron-Core's import per process): {layout: out_dir}."""
+    root = tmp_path_factory.mktemp("megatron_written")
+    outs = {layout: root / layout for layout in LAYOUTS}
+    jobs = [{"out": str(outs[layout]), **options} for layout, options in LAYOUTS.items()]
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    done = []
 
     def get(layout: str) -> Path:
-        if layout not in cache:
-            out = tmp_path_factory.mktemp(f"megatron_{layout}")
+        if not done:
             result = subprocess.run(
-                [sys.executable, str(WRITER), str(out), *LAYOUTS[layout], "--port", str(free_port())],
-                capture_output=True, text=True, timeout=300,
+                [sys.executable, str(WRITER), "--write", str(root / "jobs.json"), "--world-size", "2",
+                 "--port", str(writer.free_port())], capture_output=True, text=True, timeout=600,
             )
             assert result.returncode == 0, result.stderr[-4000:]
-            cache[layout] = out
-        return cache[layout]
+            done.append(True)
+        return outs[layout]
 
     return get
 
@@ -92,13 +99,19 @@ def mtl_logits(section: dict, state: dict[str, torch.Tensor], tokens: torch.Tens
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_logits_equal_megatron(written, layout):
     out = written(layout)
-    options = BARE_OPTIONS if layout.endswith("bare") else {}
+    options = BARE_OPTIONS if LAYOUTS[layout].get("bare") else {}
     section, state = MegatronConverter().to_mtl(out / "ckpt", vocab_size=VOCAB, **options)
     reference = torch.load(out / "reference.pt")
     assert section["vocab_size"] == reference["vocab_size"] == VOCAB
     assert state["embedding.word_embeddings.weight"].shape == (VOCAB, 64)
     gated = not layout.startswith("gpt2")
-    assert state["layers.3.mlp.linear_fc1.weight"].shape == ((2, 96, 64) if gated else (96, 64))
+    if layout.startswith("moe"):
+        assert section["moe_layers"] == ([1, 3] if layout == "moe_singleton" else [0, 1, 2, 3])
+        assert state["layers.3.mlp.experts.linear_fc1.weight"].shape == (4, 2, 48, 64)
+        assert state["layers.3.mlp.shared_experts.linear_fc1.weight"].shape == (2, 80, 64)
+        assert (section["num_experts"], section["moe_top_k"], section["moe_norm_topk_prob"]) == (4, 2, True)
+    else:
+        assert state["layers.3.mlp.linear_fc1.weight"].shape == ((2, 96, 64) if gated else (96, 64))
     assert ("output_layer.weight" in state) == gated == (not section["tie_embeddings"])
     logits = mtl_logits(section, state, reference["tokens"])
     expected = reference["logits"][..., :VOCAB]
@@ -188,16 +201,34 @@ def test_without_vocab_size_keeps_stored_rows_and_warns(written, caplog):
 
 def test_refusals(written, tmp_path):
     out = written("tp1")
-    _resave(out / "ckpt", tmp_path / "moe", lambda k: k.replace("mlp.linear_fc1.weight", "mlp.experts.linear_fc1.weight"))
-    with pytest.raises(ConfigError, match=r"decoder.layers.mlp.experts.linear_fc1.weight .*mixture of experts"):
-        MegatronConverter().to_mtl(tmp_path / "moe", vocab_size=VOCAB)
+    _resave(out / "ckpt", tmp_path / "bias", lambda k: k.replace("mlp.linear_fc2.weight", "mlp.router.expert_bias"))
+    with pytest.raises(ConfigError, match=r"decoder.layers.mlp.router.expert_bias .*aux-loss-free expert bias"):
+        MegatronConverter().to_mtl(tmp_path / "bias", vocab_size=VOCAB)
     _resave(out / "ckpt", tmp_path / "extra", lambda k: k.replace("decoder.final_layernorm", "decoder.extra_norm"))
     with pytest.raises(CheckpointError, match="decoder.extra_norm.weight"):
         MegatronConverter().to_mtl(tmp_path / "extra", vocab_size=VOCAB)
-    with pytest.raises(CheckpointError, match="not a torch_dist checkpoint"):
+    with pytest.raises(CheckpointError, match="no latest_checkpointed_iteration.txt and no .metadata"):
         MegatronConverter().to_mtl(tmp_path, vocab_size=VOCAB)
-    with pytest.raises(ConfigError, match="export to Megatron is not supported yet"):
-        MegatronConverter().from_mtl(None, {}, tmp_path / "out")
+
+
+def test_save_directory_and_iterations(written, tmp_path, caplog):
+    """Megatron-LM's save directory (what --load takes): the tracker's iteration, or another;
+    the true vocabulary from the args where they record it (``--vocab-size``)."""
+    save = tmp_path / "save"
+    shutil.copytree(written("moe_singleton") / "ckpt", save / "iter_0000002")
+    shutil.copytree(written("tp1") / "ckpt", save / "iter_0000001")
+    with pytest.raises(CheckpointError, match="no latest_checkpointed_iteration.txt.*iter_0000002: pass --iteration"):
+        MegatronConverter().to_mtl(save)
+    (save / "latest_checkpointed_iteration.txt").write_text("2\n")
+    with caplog.at_level(logging.WARNING):
+        section, _ = MegatronConverter().to_mtl(save)
+    assert section["num_experts"] == 4 and section["vocab_size"] == VOCAB and "true vocabulary" not in caplog.text
+    section, _ = MegatronConverter().to_mtl(save, iteration=1, tokenizer_vocab_size=300)
+    assert "num_experts" not in section and section["vocab_size"] == 300  # the tokenizer's, lacking args.vocab_size
+    with pytest.raises(CheckpointError, match=r"iter_0000003 does not exist \(iteration 3\).*iter_0000001, iter_0000002"):
+        MegatronConverter().to_mtl(save, iteration=3)
+    with pytest.raises(CheckpointError, match="is one checkpoint"):
+        MegatronConverter().to_mtl(save / "iter_0000001", iteration=1)
 
 
 def test_registered_as_gpt_converter():

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import contextlib
+import inspect
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -120,6 +123,23 @@ def _check_fits(metas: dict[str, torch.Tensor], layout: dict, src: str) -> None:
             raise CheckpointError(f"{src}: {name} converts to shape {tuple(metas[name].shape)}, the model's is {tuple(global_shape)}")
 
 
+class _EchoWarnings(logging.Handler):
+    """A converter's logged warnings (e.g. an unknown true vocabulary) as ``warning:`` lines."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(f"warning: {record.getMessage()}", err=True)
+
+
+@contextlib.contextmanager
+def _converter_warnings_shown():
+    logger, handler = logging.getLogger("mtl.models"), _EchoWarnings(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
 def _converted_tensors(converter, src_dir: Path, options: dict[str, Any]):
     """(model section, name -> meta tensor, iterator of (name, tensor)) from any converter."""
     if hasattr(converter, "stream_to_mtl"):
@@ -168,17 +188,42 @@ class ImportResult:
     has_tokenizer: bool
 
 
+def _tokenizer_folder(src_dir: Path, tokenizer_dir: str | None) -> Path:
+    """Where the source's tokenizer files are: ``--tokenizer``'s folder, else ``src_dir``'s
+    ``tokenizer/`` (an export to Megatron puts them there), else ``src_dir``."""
+    if tokenizer_dir is not None:
+        if _detect_tokenizer(Path(tokenizer_dir)) is None:
+            raise ConfigError(f"--tokenizer {tokenizer_dir}: no tokenizer files there ({', '.join(TOKENIZER_FILES)})")
+        return Path(tokenizer_dir)
+    nested = src_dir / "tokenizer"
+    return nested if nested.is_dir() and _detect_tokenizer(nested) is not None else src_dir
+
+
+def _tokenizer_vocab_size(folder: Path, tokenizer: tuple[str, str]) -> int:
+    """The vocabulary of the tokenizer files in ``folder`` (``tokenizer``: _detect_tokenizer's)."""
+    relative = tokenizer[1].removeprefix("tokenizer").lstrip("/")
+    return registry("tokenizer").get(tokenizer[0]).build(str(folder / relative)).vocab_size
+
+
 def to_mtl(src: str, dst: str, *, src_format: str = "hf", family: str | None = None, tp: int = 1, pp: int = 1,
-           **options) -> ImportResult:
+           tokenizer_dir: str | None = None, **options) -> ImportResult:
     """Convert ``src`` (a ``src_format`` checkpoint) into an mtl checkpoint at ``dst`` stored for
-    the ``tp`` x ``pp`` layout. ``options`` (e.g. ``vocab_size``) go to the converter."""
+    the ``tp`` x ``pp`` layout. ``options`` (e.g. ``vocab_size``) go to the converter; one that
+    takes ``tokenizer_vocab_size`` also gets the tokenizer's vocabulary (the true vocabulary of
+    a format that pads it)."""
     keep_memory_to_one_tensor()
     src_dir, dst_dir = Path(src), Path(dst)
     if not src_dir.exists():
         raise CheckpointError(f"{src_dir} does not exist: give the {src_format} checkpoint directory to convert")
     family = _family_for(src_format, family)
-    section, metas, tensors = _converted_tensors(_converter(family, src_format), src_dir, options)
-    tokenizer = _detect_tokenizer(src_dir)
+    converter = _converter(family, src_format)
+    tokenizer_folder = _tokenizer_folder(src_dir, tokenizer_dir)
+    tokenizer = _detect_tokenizer(tokenizer_folder)
+    takes = inspect.signature(getattr(converter, "stream_to_mtl", converter.to_mtl)).parameters
+    if tokenizer is not None and "tokenizer_vocab_size" in takes:
+        options["tokenizer_vocab_size"] = _tokenizer_vocab_size(tokenizer_folder, tokenizer)
+    with _converter_warnings_shown():
+        section, metas, tensors = _converted_tensors(converter, src_dir, options)
     data = {"tokenizer": tokenizer[0], "tokenizer_model": tokenizer[1]} if tokenizer else {}
     cfg = config_from_dict({"model": {**section, "family": family}, "parallel": {"tp": tp, "pp": pp}, "data": data},
                            source=f"the config converted from {src_dir}")
@@ -206,8 +251,8 @@ def to_mtl(src: str, dst: str, *, src_format: str = "hf", family: str | None = N
     if tokenizer is not None:
         (dst_dir / "tokenizer").mkdir(exist_ok=True)
         for name in TOKENIZER_FILES:
-            if (src_dir / name).exists():
-                shutil.copy2(src_dir / name, dst_dir / "tokenizer" / name)
+            if (tokenizer_folder / name).exists():
+                shutil.copy2(tokenizer_folder / name, dst_dir / "tokenizer" / name)
     writer.commit()
     return ImportResult(cfg, count, tokenizer is not None)
 
@@ -289,9 +334,17 @@ def from_mtl(src: str, dst: str, *, dst_format: str = "hf", family: str | None =
                           f"imports; it cannot write {dst_format} checkpoints")
     if dst_format == "hf" and options.get("architecture") is None:
         options["architecture"] = metadata.get("hf_architecture")
+    if dst_format == "megatron" and options.get("iteration") is None:
+        options["iteration"] = source.iteration or "release"  # Megatron-LM refuses iteration 0
     options = {k: v for k, v in options.items() if v is not None}
     dst_dir.mkdir(parents=True, exist_ok=True)
     files = converter.from_mtl(cfg.model, source, dst_dir, **options)
+    if dst_format == "megatron":
+        if (src_dir / "tokenizer").is_dir():
+            shutil.copytree(src_dir / "tokenizer", dst_dir / "tokenizer", dirs_exist_ok=True)
+        if any(key.startswith("optimizer.") for key in read_manifest(str(src_dir), source.iteration)["tensors"]):
+            click.echo(f"note: {src_dir} holds optimizer state; the Megatron export is weights only (resume it in "
+                       "Megatron-LM with --no-load-optim, or from the release folder, which skips it)", err=True)
     if dst_format == "hf":
         _write_token_ids(dst_dir, src_dir, cfg, metadata)
         if (src_dir / "tokenizer").is_dir():

@@ -24,6 +24,9 @@ OPTIONS = (
     "rope_theta",
     "seq_length",
     "max_position_embeddings",
+    "moe_top_k",
+    "moe_router",
+    "moe_norm_topk_prob",
 )
 
 _NORMALIZATION = {"rmsnorm": "rmsnorm", "layernorm": "layernorm"}  # lower-cased Megatron or mtl spelling
@@ -31,7 +34,9 @@ _POSITION = {"rope": "rope", "learned_absolute": "learned", "learned": "learned"
 
 # Megatron-LM args whose non-default value is a feature mtl's GPT lacks: (arg, default, feature)
 _REFUSED_ARGS = (
-    ("num_experts", None, "mixture of experts (MoE)"),
+    ("moe_router_enable_expert_bias", False, "aux-loss-free expert bias (moe_router_enable_expert_bias)"),
+    ("moe_router_num_groups", None, "group-limited routing (moe_router_num_groups)"),
+    ("moe_latent_size", None, "latent MoE (moe_latent_size)"),
     ("multi_latent_attention", False, "multi-latent attention (MLA)"),
     ("mtp_num_layers", None, "multi-token prediction (MTP)"),
     ("apply_layernorm_1p", False, "zero-centred gamma (apply_layernorm_1p)"),
@@ -51,13 +56,18 @@ class StoredShapes:
     hidden_size: int
     vocab_rows: int  # Megatron's padded vocabulary
     qkv_rows: int  # groups * (q_per_group + 2) * head_dim
-    ffn_hidden_size: int
+    ffn_hidden_size: int | None  # of the dense MLPs (None: every layer is MoE)
     gated: bool  # fc1 has 2 * ffn rows (gate and up)
     learned_positions: int | None  # rows of embedding.position_embeddings, if stored
     bias: bool  # linear_proj has a bias
     qkv_bias: bool
     qk_norm: bool
     tied: bool  # no output_layer.weight stored
+    moe_layers: list[int]  # layers with a router
+    num_experts: int = 0
+    moe_ffn_hidden_size: int | None = None
+    shared_ffn_hidden_size: int = 0
+    shared_gate: bool = False
 
 
 def model_section(args: Any, shapes: StoredShapes, options: dict[str, Any], source: str) -> dict[str, Any]:
@@ -73,6 +83,8 @@ def model_section(args: Any, shapes: StoredShapes, options: dict[str, Any], sour
     required = ["num_attention_heads", "num_query_groups", "normalization", "norm_eps", "activation", "position_embedding"]
     if values.get("position_embedding") == "rope":
         required.append("rope_theta")
+    if shapes.num_experts:
+        required += ["moe_top_k", "moe_router", "moe_norm_topk_prob"]
     missing = [k for k in required if values.get(k) is None]
     if missing:
         raise ConfigError(
@@ -113,7 +125,7 @@ def model_section(args: Any, shapes: StoredShapes, options: dict[str, Any], sour
         "num_attention_heads": heads,
         "num_query_groups": groups,
         "head_dim": head_dim,
-        "ffn_hidden_size": shapes.ffn_hidden_size,
+        "ffn_hidden_size": shapes.ffn_hidden_size or values.get("ffn_hidden_size") or shapes.moe_ffn_hidden_size,
         "normalization": normalization,
         "norm_eps": float(values["norm_eps"]),
         "activation": activation,
@@ -128,6 +140,8 @@ def model_section(args: Any, shapes: StoredShapes, options: dict[str, Any], sour
         if values.get("rope_scaling_factor") is not None:
             section["rope_scaling"] = "llama3"
             section["rope_scaling_factor"] = float(values["rope_scaling_factor"])
+    if shapes.num_experts:
+        section.update(_moe_section(values, shapes, source))
     max_positions = shapes.learned_positions or values.get("max_position_embeddings")
     if max_positions:
         section["max_position_embeddings"] = int(max_positions)
@@ -153,9 +167,52 @@ def _from_args(args: Any, shapes: StoredShapes) -> dict[str, Any]:
         "seq_length": get("seq_length"),
         "max_position_embeddings": get("max_position_embeddings"),
     }
+    if get("num_experts"):
+        values.update(_moe_from_args(args))
     if get("use_rope_scaling", False):
         values["rope_scaling_factor"] = get("rope_scaling_factor", 8.0)
     return values
+
+
+def _moe_from_args(args: Any) -> dict[str, Any]:
+    """Megatron-LM's router arguments -> ours. Softmax routing takes the top k of the logits
+    and a softmax over those k unless ``moe_router_pre_softmax`` (softmax over every expert,
+    the top k kept as they are): our ``moe_norm_topk_prob`` true / false. Sigmoid scores are
+    renormalised over the k chosen when k > 1."""
+    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    router, top_k = get("moe_router_score_function", "softmax"), get("moe_router_topk", 2)
+    norm = not get("moe_router_pre_softmax", False) if router == "softmax" else top_k > 1
+    aux = get("moe_aux_loss_coeff", 0.0)
+    return {
+        "ffn_hidden_size": get("ffn_hidden_size"),
+        "moe_top_k": top_k,
+        "moe_router": router,
+        "moe_norm_topk_prob": norm,
+        "moe_aux_loss_coeff": float(aux[0] if isinstance(aux, (list, tuple)) else aux or 0.0),
+        "moe_z_loss_coeff": float(get("moe_z_loss_coeff") or 0.0),
+        "moe_capacity_factor": get("moe_expert_capacity_factor"),
+    }
+
+
+def _moe_section(values: dict[str, Any], shapes: StoredShapes, source: str) -> dict[str, Any]:
+    router = _choice("moe_router", values["moe_router"], {"softmax": "softmax", "sigmoid": "sigmoid"})
+    top_k = int(values["moe_top_k"])
+    if not 1 <= top_k <= shapes.num_experts:
+        raise ConfigError(f"{source}: moe_top_k = {top_k} but the checkpoint has {shapes.num_experts} experts")
+    section = {
+        "num_experts": shapes.num_experts,
+        "moe_top_k": top_k,
+        "moe_router": router,
+        "moe_norm_topk_prob": bool(values["moe_norm_topk_prob"]),
+        "moe_ffn_hidden_size": shapes.moe_ffn_hidden_size,
+        "moe_layers": list(shapes.moe_layers),
+        "moe_shared_expert_ffn_hidden_size": shapes.shared_ffn_hidden_size,
+        "moe_shared_expert_gate": shapes.shared_gate,
+    }
+    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_capacity_factor"):
+        if values.get(key) is not None:
+            section[key] = values[key]
+    return section
 
 
 def _refuse_features(args: Any, source: str) -> None:
@@ -163,6 +220,10 @@ def _refuse_features(args: Any, source: str) -> None:
         value = getattr(args, name, default)
         if value not in (default, None, False, 0):
             raise ConfigError(f"{source}: args.{name} = {value!r}: {feature} is not supported by mtl's GPT")
+    scaling = getattr(args, "moe_router_topk_scaling_factor", None)
+    if scaling not in (None, 1.0):
+        raise ConfigError(f"{source}: args.moe_router_topk_scaling_factor = {scaling}: scaled routing weights are not "
+                          "supported by mtl's MoE")
     percent = getattr(args, "rotary_percent", 1.0)
     if percent != 1.0:
         raise ConfigError(f"{source}: args.rotary_percent = {percent}: partial RoPE is not supported by mtl's GPT")
