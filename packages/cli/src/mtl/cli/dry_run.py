@@ -13,7 +13,7 @@ import torch
 from mtl.cli.launch import resolve_at
 from mtl.core.config import RunConfig, layer_and_head_flops, pipeline_rank_layers
 from mtl.core.config_io import format_config
-from mtl.core.flops import memory_per_gpu_bytes, parameter_counts
+from mtl.core.flops import gather_unit_sizes, memory_per_gpu_bytes, parameter_counts
 from mtl.core.model_protocol import build_model
 from mtl.core.plugins import registry
 from mtl.parallel.ddp.reduce_group import is_expert_param
@@ -102,7 +102,8 @@ def dry_run(cfg: RunConfig, world_size: int | None = None) -> str:
     counts = parameter_counts(model)  # padded vocabulary rows included, as the model holds them
     activations = family.activation_bytes_per_layer(cfg) if family.activation_bytes_per_layer else None
     experts = sum(q.numel() for q in model.parameters() if is_expert_param(q))
-    memory = memory_per_gpu_bytes(cfg, counts["total"], activations, num_expert_parameters=experts)
+    memory = memory_per_gpu_bytes(cfg, counts["total"], activations, num_expert_parameters=experts,
+                                  unit_parameters=gather_unit_sizes(model))
     if family.flops_per_iteration is not None:
         flops = family.flops_per_iteration(cfg)
         flops_line = f"FLOPs per iteration: {flops:.4e} ({flops / 1e12:.2f} TFLOP, Megatron's count)"
