@@ -75,8 +75,8 @@ def test_memory_splits_expert_parameters_over_ep_too():
 @pytest.mark.parametrize("sharding, weights, grads, optimizer", [
     ("none", 8000, 16000, 48000),  # bf16 weights, fp32 grads, fp32 main weights + 2 moments, 4000 parameters
     ("optimizer", 8000, 16000, 12000),
-    ("gradients", 8000, 4000 + (300 + 200) * 4, 12000),  # + a layer's bucket and what is outside the layers
-    ("parameters", 2000 + (2 * 300 + 200) * 2, 4000 + (300 + 200) * 4, 12000),  # + two layers and the outside
+    ("gradients", 8000, 4000 + (2 * 300 + 200) * 4, 12000),  # + two layers' buckets and what is outside
+    ("parameters", 2000 + (2 * 300 + 200) * 2, 4000 + (2 * 300 + 200) * 4, 12000),  # + two layers and the outside
 ])
 def test_memory_follows_the_sharding(sharding, weights, grads, optimizer):
     cfg = config("train.precision='bf16'", f"parallel.sharding='{sharding}'")  # dp = 4

@@ -54,8 +54,8 @@ def memory_per_gpu_bytes(cfg: RunConfig, num_parameters: int, activation_bytes_p
     ``parallel.sharding`` divides them over the ranks a shard spans, dp x cp / dp_replicate
     (experts: their dp / ep x cp): "optimizer" the optimizer state, "gradients" also the grads,
     "parameters" also the weights. What is then held whole besides the shards is added: under
-    "gradients" and "parameters" a layer's gradient bucket and the gradients of everything outside the
-    layers (one bucket, filled from the head's backward to the embedding's), and under "parameters" two layers' weights (the one
+    "gradients" and "parameters" two layers' gradient buckets (one filling, one reduce-scattering)
+    and the gradients outside the layers, and under "parameters" two layers' weights (the one
     running and the next one's gather) and the weights outside the layers, gathered for the
     whole step; ``unit_parameters`` = (largest layer, outside the layers) before tp x pp,
     from ``gather_unit_sizes``. Activations: one micro-batch per in-flight pipeline stage on
@@ -79,7 +79,7 @@ def memory_per_gpu_bytes(cfg: RunConfig, num_parameters: int, activation_bytes_p
     out = {"weights": per_rank(weight_bytes, 3), "grads": per_rank(4, 2), "optimizer": per_rank(8 + main_bytes, 1)}
     if level >= 2 and unit_parameters is not None:
         layer, outside = (n / split for n in unit_parameters)
-        out["grads"] += (layer + outside) * 4
+        out["grads"] += (2 * layer + outside) * 4
         if level == 3:
             out["weights"] += (2 * layer + outside) * weight_bytes
     if activation_bytes_per_layer is not None:

@@ -135,6 +135,7 @@ class DataParallel(nn.Module):
 
         # summed over TP by finish_grad_sync, in this order on every TP rank (the same module part)
         self._sequence_parallel_params = [p for _, p in named if has_sequence_parallel_grad(p)]
+        self._in_flight: list[Bucket] = []  # ZeRO-2/3: the bucket whose reduce-scatter runs
         self._sync_enabled = True  # False inside no_sync()
         self._synced = False  # finish_grad_sync() done since the last backward / zero_grad
         self._next_launch = 0  # index into self.buckets of the next collective to start
@@ -300,6 +301,12 @@ class DataParallel(nn.Module):
         if bucket.all_ready:
             self.num_collectives_launched += sharded_grads.launch(bucket, self.held_bytes)
             bucket.ready.clear()
+            # one reduce-scatter in flight while the next bucket fills: the one before it is
+            # waited for here, its full gradient freed (otherwise every bucket's would live to the step's end)
+            self._in_flight = [b for b in self._in_flight if b.pending_shard is not None]
+            for earlier in self._in_flight:
+                sharded_grads.complete(earlier, self.held_bytes)
+            self._in_flight = [bucket]
             if self.layer_gather is not None and bucket.shards_params and \
                     self.layer_gather.unit_of_bucket(bucket) != ROOT:
                 self.layer_gather.release_bucket(bucket)  # this layer's backward is done

@@ -184,6 +184,8 @@ class GradBuffer:
         self.slot_of = {id(s.param): s for s in slots}
 
         self.grad_data = None if shard_grads else new_held(self.numel, self.dtype, self.device, self.held)
+        if not with_param_buffer:  # the parameters stay the module's own tensors: count them too
+            self.held.add(sum(s.param.numel() for s in slots) * torch.empty((), dtype=self.param_dtype).element_size())
         self.param_data: torch.Tensor | None = None
         if with_param_buffer and not shard_params:
             # Parameters become views of one flat tensor so a rank's shard of the update can be

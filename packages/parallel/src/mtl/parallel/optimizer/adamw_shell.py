@@ -233,6 +233,17 @@ class AdamWShell:
                 moments[MAIN_PARAM] = e.piece.detach()
             yield e.source, moments
 
+    def state_bytes(self) -> int:
+        """Bytes of the state this rank holds: the moments, and fp32 main weights where the
+        model's are 16-bit (a piece that is the weights' own storage is the model's, not counted)."""
+        total = 0
+        for e in self.entries:
+            state = self.inner.state.get(e.piece, {})
+            total += sum(state[m].numel() * state[m].element_size() for m in MOMENTS if m in state)
+            if e.model_view is not None:
+                total += e.piece.numel() * e.piece.element_size()
+        return total
+
     def common_state(self) -> dict:
         """What every rank holds alike: the number of steps taken."""
         steps = {int(self.inner.state[e.piece]["step"]) for e in self.entries if self.inner.state[e.piece]}
