@@ -21,16 +21,10 @@ parameters over the same group.
 ``sharded_grads.py``; ZeRO-3: parameters too are kept as shards and gathered per layer,
 ``param_gather.py``); ``dp_replicate`` shards within blocks of the group (``hybrid.py``).
 
-With ``overlap_param_gather`` (distributed optimizer only) that all-gather is asynchronous:
-the optimizer's step launches one all-gather per bucket and returns, and a forward pre-hook
-on every submodule that owns parameters waits for the gathers of the buckets holding them
-just before it runs. Buckets follow the reverse parameter order, so the first layers' buckets
-are the last ones: they are launched first, and the gathers of later layers' buckets run
-while the first layers compute. A handle is waited once and then dropped: later
-forwards of the same step (micro-batches, recompute) do not wait again. Whatever reads
-parameters outside a forward (a checkpoint save, say) must call ``finish_param_sync()``
-first; ``state_dict``, ``load_state_dict``, ``gather_params`` and the distributed
-optimizer's step do it themselves.
+With ``overlap_param_gather`` (ZeRO-1/2) the optimizer's all-gathers are only launched and
+each forward waits for its buckets (``param_gather.register_wait_hooks``). Whatever reads
+parameters outside a forward must call ``finish_param_sync()`` first (``state_dict``,
+``load_state_dict``, ``gather_params`` and the optimizer's step do).
 
 Parameters marked ``mark_sequence_parallel_grad`` (norm weights, row biases under sequence
 parallelism: each TP rank's gradient covers its own part of the sequence) are summed over
@@ -120,7 +114,8 @@ class DataParallel(nn.Module):
         if not named:
             raise ParallelError(f"DataParallel got a {type(module).__name__} with no trainable parameters")
         self.held_bytes = HeldBytes()  # the buffers' storage: weights, gradients and their shards
-        units, unit_of = gather_units(module) if sharding == "parameters" else ([], None)
+        # ZeRO-2/3: a bucket holds one layer's parameters at most, so what is gathered or filled whole is a layer
+        units, unit_of = gather_units(module) if sharding in ("gradients", "parameters") else ([], None)
         self.buffers_by_dtype = self._grad_buffers(named, bucket_size_mb, grad_dtype, unit_of)
         # One launch order for every rank (NCCL needs collectives in the same order everywhere).
         self.buckets: list[Bucket] = [b for buf in self.buffers_by_dtype for b in buf.buckets]
@@ -156,11 +151,7 @@ class DataParallel(nn.Module):
                 buf.keep_param_shards_only()
             self.layer_gather = LayerGather(module, units, unit_of, self.buckets, self.held_bytes)
         if sharding in ("gradients", "parameters"):
-            for buf in self.buffers_by_dtype:  # the reduced shard each rank keeps, for the norm and the optimizer
-                for slot in buf.slots:  # owning none of it: an empty piece
-                    slot.param.dp_owned_grad = buf.buckets[slot.bucket_index].grad_shard[:0]
-                for slot, first, last, bucket, at in buf.owned_pieces(buf.reduce_group.rank):
-                    slot.param.dp_owned_grad = bucket.grad_shard[at : at + last - first]
+            sharded_grads.attach_owned_grads(self.buffers_by_dtype)
         self.held_bytes.reset_peak()
 
     def _grad_buffers(self, named: list[tuple[str, nn.Parameter]], bucket_size_mb: float,
@@ -299,14 +290,8 @@ class DataParallel(nn.Module):
             self._synced = False
         bucket.ready.add(id(param))  # a set: a parameter a micro-batch skipped may come twice
         if bucket.all_ready:
-            self.num_collectives_launched += sharded_grads.launch(bucket, self.held_bytes)
+            self.num_collectives_launched += sharded_grads.launch(bucket, self.held_bytes, self._in_flight)
             bucket.ready.clear()
-            # one reduce-scatter in flight while the next bucket fills: the one before it is
-            # waited for here, its full gradient freed (otherwise every bucket's would live to the step's end)
-            self._in_flight = [b for b in self._in_flight if b.pending_shard is not None]
-            for earlier in self._in_flight:
-                sharded_grads.complete(earlier, self.held_bytes)
-            self._in_flight = [bucket]
             if self.layer_gather is not None and bucket.shards_params and \
                     self.layer_gather.unit_of_bucket(bucket) != ROOT:
                 self.layer_gather.release_bucket(bucket)  # this layer's backward is done

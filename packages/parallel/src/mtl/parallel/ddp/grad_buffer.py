@@ -26,8 +26,8 @@ its own, allocated when its first gradient of a micro-batch arrives and freed on
 reduce-scattered into ``grad_shard``, a tensor of its own that accumulates the micro-batches.
 Under ZeRO-3 (``shard_params``) each bucket's full parameters are likewise a tensor of their own
 (the parameters' ``.data`` are views of it), allocated only while gathered, and ``param_shard``
-is the only copy kept (``bucket_storage.py``); buckets then also end where a gather unit (a
-layer) ends (``unit_of``), so one layer's gather never holds another's weights. A bucket with a
+is the only copy kept (``bucket_storage.py``). Under both, buckets also end where a layer
+ends (``unit_of``), so a gather or a filling gradient never holds another layer's. A bucket with a
 tied embedding shared across pipeline stages keeps full gradients and parameters (the pipeline
 sums its whole gradient over the embedding group).
 """

@@ -157,7 +157,13 @@ def _tensors(output) -> list[torch.Tensor]:
 def register_wait_hooks(module: nn.Module, buckets: list[Bucket], wait) -> list:
     """``parallel.overlap_param_gather`` (ZeRO-1/2): a forward pre-hook on each submodule that
     directly owns parameters in ``buckets`` calls ``wait(index)`` for the buckets holding them
-    (a module's parameters may span several buckets, a bucket several modules)."""
+    (a module's parameters may span several buckets, a bucket several modules).
+
+    The optimizer's step launches one all-gather per bucket and returns. Buckets follow the
+    reverse parameter order, so the first layers' buckets are the last ones: they are launched
+    first, and the gathers of later layers' buckets run while the first layers compute. A
+    handle is waited once and then dropped: later forwards of the same step (micro-batches,
+    recompute) do not wait again."""
     bucket_of = {id(slot.param): index for index, bucket in enumerate(buckets) for slot in bucket.slots}
     handles = []
     for submodule in module.modules():

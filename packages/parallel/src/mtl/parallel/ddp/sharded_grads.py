@@ -27,12 +27,28 @@ def add_grad(bucket: Bucket, slot: ParamSlot, param: torch.nn.Parameter, held: H
     param.grad = None
 
 
-def launch(bucket: Bucket, held: HeldBytes) -> bool:
+def attach_owned_grads(buffers: list) -> None:
+    """``param.dp_owned_grad``: the piece of its bucket's ``grad_shard`` this rank keeps of each
+    parameter (empty where it owns none of it), what the gradient norm reads."""
+    for buf in buffers:
+        for slot in buf.slots:
+            slot.param.dp_owned_grad = buf.buckets[slot.bucket_index].grad_shard[:0]
+        for slot, first, last, bucket, at in buf.owned_pieces(buf.reduce_group.rank):
+            slot.param.dp_owned_grad = bucket.grad_shard[at : at + last - first]
+
+
+def launch(bucket: Bucket, held: HeldBytes, in_flight: list[Bucket] | None = None) -> bool:
     """Start the bucket's reduce-scatter into a fresh shard (pre-scaled: gloo has no AVG);
-    returns whether a collective was started. A bucket no gradient reached has nothing to add;
+    returns whether a collective was started. With ``in_flight`` (the caller's list of the
+    bucket launched before) that earlier one is completed first, so one reduce-scatter runs
+    while the next bucket fills and no other full gradient outlives its bucket. A bucket no gradient reached has nothing to add;
     one already launched (and not refilled since: ``add_grad`` completes it first) is in flight."""
     if bucket.pending_shard is not None or not is_allocated(bucket.grad_view):  # launched, or nothing came
         return False
+    if in_flight is not None:
+        for earlier in in_flight:
+            complete(earlier, held)
+        in_flight[:] = [bucket]
     reduce_group = bucket.reduce_group
     if reduce_group.grad_divisor != 1:
         bucket.grad_view.div_(reduce_group.grad_divisor)
