@@ -76,6 +76,7 @@ class LayerGather:
         return hook
 
     def _post_forward(self, index: int):
+        @torch._dynamo.disable
         def hook(_module, _args, output):
             if _in_backward():  # recompute: the backward that follows needs the weights
                 return output
@@ -87,11 +88,15 @@ class LayerGather:
             return output
         return hook
 
+    @torch._dynamo.disable
     def _pre_backward(self, index: int) -> None:
         self.gather(index)
         self.gather(index - 1, wait=False)
 
     # ---- gather and free ---------------------------------------------------------------
+    # Under train.compile the hooks run in the compiled layer's call: never traced (a storage
+    # resize and an async collective are eager work), so the layer's body stays one graph.
+    @torch._dynamo.disable
     @torch.no_grad()
     def gather(self, unit: int, wait: bool = True) -> None:
         """All-gather ``unit``'s buckets unless gathered or gathering; ``wait``: until done."""
@@ -111,6 +116,7 @@ class LayerGather:
                 bucket.gather_handle.wait()
                 bucket.gather_handle = None
 
+    @torch._dynamo.disable
     def release(self, unit: int) -> None:
         for bucket in self.buckets_of.get(unit, []):
             self.release_bucket(bucket)
