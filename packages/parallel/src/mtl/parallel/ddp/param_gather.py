@@ -69,6 +69,7 @@ class LayerGather:
 
     # ---- hooks -------------------------------------------------------------------------
     def _pre_forward(self, index: int):
+        @torch._dynamo.disable
         def hook(_module, _args):
             self.gather(index)
             if not _in_backward():  # a recompute in backward runs backward's order instead
