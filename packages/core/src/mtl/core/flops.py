@@ -54,7 +54,8 @@ def memory_per_gpu_bytes(cfg: RunConfig, num_parameters: int, activation_bytes_p
     ``parallel.sharding`` divides them over the ranks a shard spans, dp x cp / dp_replicate
     (experts: their dp / ep x cp): "optimizer" the optimizer state, "gradients" also the grads,
     "parameters" also the weights. What is then held whole besides the shards is added: under
-    "gradients" and "parameters" two layers' gradient buckets (one filling, one reduce-scattering)
+    "gradients" and "parameters" two gradient buckets (one filling, one reduce-scattering; a
+    bucket is a layer or ``parallel.bucket_size_mb``, whichever is smaller)
     and the gradients outside the layers, and under "parameters" two layers' weights (the one
     running and the next one's gather) and the weights outside the layers, gathered for the
     whole step; ``unit_parameters`` = (largest layer, outside the layers) before tp x pp,
@@ -79,7 +80,9 @@ def memory_per_gpu_bytes(cfg: RunConfig, num_parameters: int, activation_bytes_p
     out = {"weights": per_rank(weight_bytes, 3), "grads": per_rank(4, 2), "optimizer": per_rank(8 + main_bytes, 1)}
     if level >= 2 and unit_parameters is not None:
         layer, outside = (n / split for n in unit_parameters)
-        out["grads"] += (2 * layer + outside) * 4
+        # a bucket ends at a layer's end or at parallel.bucket_size_mb (of the weights' dtype), whichever first
+        bucket = min(layer, p.bucket_size_mb * 2**20 / weight_bytes)
+        out["grads"] += (2 * bucket + outside) * 4
         if level == 3:
             out["weights"] += (2 * layer + outside) * weight_bytes
     if activation_bytes_per_layer is not None:
