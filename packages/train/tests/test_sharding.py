@@ -6,18 +6,18 @@ their full shape from the ranks' shards, within ``mtl.train.testing``'s toleranc
   checkpoint resumes under ZeRO-2 (gradients reduce-scattered per bucket, shards kept) for
   steps 4-6, whose losses and step-6 gradients equal a straight 6-step run of one process.
 - ep=2 with a mixture of experts under ZeRO-3 (experts sharded over their replicas).
-- dp=4 as 2 replicas x 2 shards (hybrid, ZeRO-3): the only 4-process run here.
 
-The other layouts of ``SHARDED_LAYOUTS`` (dp4, tp2 x dp2, dp2 x pp2 under ZeRO-3) run the same
-code paths; ``run_layout`` runs any of them (each 4-process run costs ~50 s on two shared cores).
-One spawn per world size: the single process runs the references, two processes run the rest.
+dp=4 as 2 replicas x 2 shards (hybrid) is checked in mtl-cli's ``test_sharding_dp4.py``, in the
+4-process spawn that measures memory. The other layouts of ``SHARDED_LAYOUTS`` (dp4, tp2 x dp2,
+dp2 x pp2 under ZeRO-3) run the same code paths; ``run_layout`` runs any of them (each
+4-process run costs ~50 s on two shared cores). One spawn per world size: the single process
+runs the references, two processes run the rest.
 """
 
 import pytest
 
 from mtl.parallel.testing import run_distributed
-from mtl.train.testing import (LOSS_RTOL, MOE_TINY, SHARDED_LAYOUTS, compare_with_reference, run_layout,
-                               run_tiny)
+from mtl.train.testing import MOE_TINY, compare_with_reference, run_tiny
 
 SCHEDULE = ["train.lr_decay_iters=6"]  # a 3-step run is the first half of the 6-step one
 
@@ -60,13 +60,3 @@ def test_zero3_checkpoint_resumes_under_zero2_like_a_straight_run(two, single):
 
 def test_ep2_moe_zero3_matches_single_process(two, single):
     compare_with_reference("ep2 moe zero3", [r["moe_ep2_zero3"] for r in two], single["moe"])
-
-
-def test_hybrid_two_replicas_of_two_shards_matches_single_process(single):
-    results = run_layout("dp4_hybrid_zero3", SCHEDULE)
-    compare_with_reference("dp4 hybrid zero3", results, single["reference"])
-
-
-def test_sharded_layouts_are_the_documented_ones():
-    assert SHARDED_LAYOUTS["dp4_hybrid_zero3"] == (4, ["parallel.sharding='parameters'", "parallel.dp_replicate=2"])
-    assert LOSS_RTOL == 1e-5
