@@ -1,5 +1,6 @@
 """Family-independent counts: parameters per component of a built module, memory per GPU."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -39,9 +40,9 @@ def test_memory_splits_weights_over_tp_pp_and_adam_over_dp_with_the_distributed_
     cfg = config("parallel.tp=2", "parallel.pp=2", "train.precision='bf16'", "parallel.distributed_optimizer=true",
                  "parallel.pipeline_split='even'")
     mem = memory_per_gpu_bytes(cfg, 4_000_000, activation_bytes_per_layer=1000.0)
-    assert mem["weights"] == 1_000_000 * 6  # fp32 master + bf16 copy of a quarter of the model
+    assert mem["weights"] == 1_000_000 * 2  # the bf16 weights of a quarter of the model
     assert mem["grads"] == 1_000_000 * 4
-    assert mem["optimizer"] == 1_000_000 * 8  # dp = 1 here: nothing to shard over
+    assert mem["optimizer"] == 1_000_000 * 12  # fp32 main weights and moments; dp = 1: nothing to shard over
     assert mem["activations"] == 1000.0 * (8 / 2) * 2  # layers on a stage x micro-batches in flight
     assert mem["total"] == sum(v for k, v in mem.items() if k != "total")
 
@@ -69,3 +70,21 @@ def test_memory_splits_expert_parameters_over_ep_too():
     params = 1000 + 2000 / 2  # dp = 4, ep = 2: half the experts on each rank
     assert mem["weights"] == params * 4 and mem["grads"] == params * 4
     assert mem["optimizer"] == 1000 * 8 / 4 + 1000 * 8 / 2  # dense over dp = 4, experts over dp / ep = 2
+
+
+@pytest.mark.parametrize("sharding, weights, grads, optimizer", [
+    ("none", 8000, 16000, 48000),  # bf16 weights, fp32 grads, fp32 main weights + 2 moments, 4000 parameters
+    ("optimizer", 8000, 16000, 12000),
+    ("gradients", 8000, 4000 + (2 * 300 + 200) * 4, 12000),  # + two layers' buckets and what is outside
+    ("parameters", 2000 + (2 * 300 + 200) * 2, 4000 + (2 * 300 + 200) * 4, 12000),  # + two layers and the outside
+])
+def test_memory_follows_the_sharding(sharding, weights, grads, optimizer):
+    cfg = config("train.precision='bf16'", f"parallel.sharding='{sharding}'")  # dp = 4
+    mem = memory_per_gpu_bytes(cfg, 4000, activation_bytes_per_layer=None, unit_parameters=(300, 200))
+    assert (mem["weights"], mem["grads"], mem["optimizer"]) == (weights, grads, optimizer)
+
+
+def test_hybrid_sharding_divides_by_the_shard_block_only():
+    cfg = config("parallel.sharding='parameters'", "parallel.dp_replicate=2")  # dp = 4: blocks of 2, fp32 weights
+    mem = memory_per_gpu_bytes(cfg, 4000, activation_bytes_per_layer=None)
+    assert (mem["weights"], mem["grads"], mem["optimizer"]) == (8000, 8000, 16000)

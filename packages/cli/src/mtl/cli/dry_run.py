@@ -13,7 +13,7 @@ import torch
 from mtl.cli.launch import resolve_at
 from mtl.core.config import RunConfig, layer_and_head_flops, pipeline_rank_layers
 from mtl.core.config_io import format_config
-from mtl.core.flops import memory_per_gpu_bytes, parameter_counts
+from mtl.core.flops import gather_unit_sizes, memory_per_gpu_bytes, parameter_counts
 from mtl.core.model_protocol import build_model
 from mtl.core.plugins import registry
 from mtl.parallel.ddp.reduce_group import is_expert_param
@@ -86,6 +86,23 @@ def runs_on_cpu(cfg: RunConfig) -> bool:
     return cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available())
 
 
+def meta_model(cfg: RunConfig):
+    """(family, backend, the whole model built on the meta device) of a resolved config."""
+    backend = registry("backend").get(cfg.model.backend)
+    family = registry("model family").get(cfg.model.family)
+    with torch.device("meta"):  # shapes only: no memory, no initialisation cost
+        model = build_model(family, cfg, Topology.single(), backend)
+    return family, backend, model
+
+
+def estimated_memory(cfg: RunConfig, family, model) -> dict[str, float]:
+    """The memory per rank ``--dry-run`` prints (``mtl.core.flops.memory_per_gpu_bytes``)."""
+    activations = family.activation_bytes_per_layer(cfg) if family.activation_bytes_per_layer else None
+    experts = sum(q.numel() for q in model.parameters() if is_expert_param(q))
+    return memory_per_gpu_bytes(cfg, parameter_counts(model)["total"], activations, num_expert_parameters=experts,
+                                unit_parameters=gather_unit_sizes(model))
+
+
 def dry_run(cfg: RunConfig, world_size: int | None = None) -> str:
     """The summary first (model, parameters, FLOPs, layout, memory), then the module tree and
     the parameters per component, then the resolved config (the longest part) last.
@@ -94,15 +111,10 @@ def dry_run(cfg: RunConfig, world_size: int | None = None) -> str:
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp))
     cfg = resolve_at(cfg, world_size)  # the optimizer's and checkpoint schedule's checks included
-    backend = registry("backend").get(cfg.model.backend)
-    family = registry("model family").get(cfg.model.family)
-    with torch.device("meta"):  # shapes only: no memory, no initialisation cost
-        model = build_model(family, cfg, Topology.single(), backend)
+    family, backend, model = meta_model(cfg)
     p = cfg.parallel
     counts = parameter_counts(model)  # padded vocabulary rows included, as the model holds them
-    activations = family.activation_bytes_per_layer(cfg) if family.activation_bytes_per_layer else None
-    experts = sum(q.numel() for q in model.parameters() if is_expert_param(q))
-    memory = memory_per_gpu_bytes(cfg, counts["total"], activations, num_expert_parameters=experts)
+    memory = estimated_memory(cfg, family, model)
     if family.flops_per_iteration is not None:
         flops = family.flops_per_iteration(cfg)
         flops_line = f"FLOPs per iteration: {flops:.4e} ({flops / 1e12:.2f} TFLOP, Megatron's count)"

@@ -31,7 +31,8 @@ def check_values(cfg: Any) -> None:
     if cfg.ckpt.load_iteration is not None and cfg.ckpt.load_iteration < 0:
         raise ConfigError(f"ckpt.load_iteration = {cfg.ckpt.load_iteration} must not be negative "
                           "(a committed iteration of ckpt.save; unset it to resume from the latest)")
-    for name in ("tp", "pp", "vpp", "cp", "ep"):
+    _check_sharding_spellings(p)
+    for name in ("tp", "pp", "vpp", "cp", "ep", "dp_replicate"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name} = {getattr(p, name)} must be at least 1")
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
@@ -66,11 +67,7 @@ def _check_layout(p: ParallelConfig, m: ModelConfig) -> None:
         raise ConfigError(f"parallel.vpp = {p.vpp} needs parallel.pp > 1")
     if p.ep > 1 and p.dp % p.ep:
         raise ConfigError(f"parallel.ep = {p.ep} must divide the data-parallel size {p.dp}")
-    if p.overlap_param_gather and not p.distributed_optimizer:
-        raise ConfigError(
-            "parallel.overlap_param_gather = true needs parallel.distributed_optimizer = true "
-            "(only the distributed optimizer all-gathers parameters after its step)"
-        )
+    _check_sharding(p)
     if p.cp > 1 and m.seq_length % (2 * p.cp):
         raise ConfigError(
             f"model.seq_length = {m.seq_length} must be divisible by 2*cp = {2 * p.cp} "
@@ -85,6 +82,51 @@ def _check_layout(p: ParallelConfig, m: ModelConfig) -> None:
         check_flops_split(m.num_layers, p)  # the split itself needs the resolved model: resolve's end
     else:
         pipeline_layer_split(m.num_layers, p)  # raises on a bad split
+
+
+def _check_sharding_spellings(p: ParallelConfig) -> None:
+    """``distributed_optimizer`` is Megatron's name for sharding = "optimizer": both given must agree."""
+    if p.distributed_optimizer is None or p.sharding is None:
+        return
+    if p.distributed_optimizer and p.sharding == "none":
+        raise ConfigError("parallel.distributed_optimizer = true contradicts parallel.sharding = 'none': "
+                          "drop one of them (distributed_optimizer = true is sharding = 'optimizer')")
+    if not p.distributed_optimizer and p.sharding != "none":
+        raise ConfigError(f"parallel.distributed_optimizer = false contradicts parallel.sharding = '{p.sharding}' "
+                          "(which shards the optimizer state too): drop parallel.distributed_optimizer")
+
+
+def _check_sharding(p: ParallelConfig) -> None:
+    """What the data-parallel sharding (``parallel.sharding``, ``dp_replicate``) cannot do."""
+    ranks = p.dp * p.cp
+    if p.overlap_param_gather and p.sharding == "none":
+        raise ConfigError(
+            "parallel.overlap_param_gather = true needs parallel.distributed_optimizer = true (or sharding = "
+            "'gradients'): only the distributed optimizer all-gathers parameters after its step"
+        )
+    if p.overlap_param_gather and p.sharding == "parameters":
+        raise ConfigError(
+            "parallel.overlap_param_gather = true does nothing under parallel.sharding = 'parameters' (each "
+            "layer's gather is already started one layer ahead): set it to false"
+        )
+    if p.sharding in ("gradients", "parameters") and not p.overlap_grad_reduce:
+        raise ConfigError(
+            f"parallel.overlap_grad_reduce = false does not work with parallel.sharding = '{p.sharding}' (its "
+            "buckets are reduce-scattered and freed as backward fills them): set it to true"
+        )
+    if p.dp_replicate == 1:
+        return
+    if p.sharding == "none":
+        raise ConfigError(f"parallel.dp_replicate = {p.dp_replicate} needs parallel.sharding other than 'none' "
+                          "(without sharding every rank is already a replica): set sharding or dp_replicate = 1")
+    if ranks % p.dp_replicate or ranks == p.dp_replicate:
+        raise ConfigError(
+            f"parallel.dp_replicate = {p.dp_replicate} must divide dp x cp = {ranks} and leave groups of at "
+            f"least 2 ranks to shard over; use a divisor of {ranks} below it, or 1"
+        )
+    if p.ep > 1:
+        raise ConfigError(f"parallel.dp_replicate = {p.dp_replicate} does not work with parallel.ep = {p.ep} yet "
+                          "(experts shard over the expert-data-parallel group): set dp_replicate = 1")
 
 
 def _check_model(m: ModelConfig, p: ParallelConfig, tokenizer_vocab_size: int | None) -> None:

@@ -64,6 +64,10 @@ def _derive_layout(p: ParallelConfig, m: ModelConfig, world_size: int) -> None:
     p.dp = world_size // model_parallel  # every rank not used by a model-parallel split replicates
     if p.sequence_parallel and p.tp == 1:
         p.sequence_parallel = False  # nothing to shard: sequence parallelism rides on TP
+    if p.sharding is None:  # the Megatron spelling decides; check_values refused a contradiction
+        p.sharding = "optimizer" if p.distributed_optimizer else "none"
+    # every sharding from "optimizer" up runs the distributed optimizer (its state is sharded too)
+    p.distributed_optimizer = p.sharding != "none"
     if p.pipeline_split is None:
         p.pipeline_split = default_pipeline_split(p, m)
 

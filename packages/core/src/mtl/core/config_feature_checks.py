@@ -85,6 +85,8 @@ def check_cuda_graphs(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> None
         (p.pp > 1, f"parallel.pp = {p.pp}", "1 (a pipeline keeps several micro-batches of a layer in flight)"),
         (p.cp > 1, f"parallel.cp = {p.cp}", "1"),
         (p.overlap_param_gather, "parallel.overlap_param_gather = true", "false (its waits run before each layer)"),
+        (p.sharding == "parameters", "parallel.sharding = 'parameters'",
+         "'optimizer' (its gathers and frees run between the layers)"),
         (m.num_experts > 0, f"model.num_experts = {m.num_experts}", "0 (routing sizes the experts' work on the host)"),
         (t.recompute != "none", f"train.recompute = '{t.recompute}'", "'none'"),
         (m.hidden_dropout > 0, f"model.hidden_dropout = {m.hidden_dropout}", "0"),

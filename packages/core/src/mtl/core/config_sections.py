@@ -26,6 +26,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "parallel.cp_comm_type": ("p2p", "all_gather"),
     "train.attention_kernel": ("sdpa", "fa4"),
     "parallel.pipeline_split": ("even", "flops"),
+    "parallel.sharding": ("none", "optimizer", "gradients", "parameters"),
 }
 
 
@@ -98,7 +99,20 @@ class ParallelConfig:
     cp_comm_type: str | None = None
     ep: int = 1
     sequence_parallel: bool = False
-    distributed_optimizer: bool = False
+    # Megatron's spelling of sharding = "optimizer" (--use-distributed-optimizer): true means at
+    # least the optimizer state is sharded. derived: true when sharding is not "none".
+    distributed_optimizer: bool | None = None
+    # What data-parallel ranks shard (ZeRO stages 0-3): "none" replicates everything; "optimizer"
+    # the AdamW moments and fp32 main weights (ZeRO-1); "gradients" also the reduced gradients,
+    # each bucket reduce-scattered every micro-batch and freed (ZeRO-2); "parameters" also the
+    # weights, all-gathered per layer just before its forward (the next layer's gather in flight)
+    # and freed after it, gathered again for its backward (ZeRO-3 / FSDP; mtl.parallel.ddp).
+    # derived: "optimizer" if distributed_optimizer = true, else "none".
+    sharding: str | None = None
+    # Hybrid sharding (HSDP, Megatron-FSDP's outer dp): the dp x cp ranks form dp_replicate groups
+    # that each hold a whole sharded copy, shard within a group of dp*cp/dp_replicate ranks and
+    # all-reduce the gradient shards across groups. 1: shard over every dp x cp rank.
+    dp_replicate: int = 1
     overlap_grad_reduce: bool = True
     # torch's asynchronous tensor parallelism (torchtitan's enable_async_tensor_parallel): inductor
     # replaces a sequence-parallel all-gather + matmul or matmul + reduce-scatter of a compiled

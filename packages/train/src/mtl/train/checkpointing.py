@@ -16,6 +16,8 @@ run starts from, and what it checks first, is ``resume.py``."""
 
 from __future__ import annotations
 
+import contextlib
+
 import importlib.metadata
 from typing import Any
 
@@ -66,13 +68,31 @@ def _replica_id(topology: Topology, entry: ParamEntry, index: int) -> int:
     return int(not turn or tp_copy or entry.is_tied_copy)
 
 
-def model_sharded_state(chunks: list, topology: Topology) -> dict[str, ShardedTensor]:
+def model_sharded_state(chunks: list, topology: Topology, copy: bool = False) -> dict[str, ShardedTensor]:
+    """The weights as global tensors; ``copy``: of the tensors this rank writes (the gathered
+    weights of ``sharding = "parameters"`` are freed after the save takes them)."""
     state: dict[str, ShardedTensor] = {}
     for index, entry in enumerate(_entries(chunks, topology)):
         key = f"model.{entry.global_name}"
-        state[key] = ShardedTensor(key, entry.view(entry.param.data), entry.global_shape, entry.global_offset,
-                                   _replica_id(topology, entry, index))
+        data, replica_id = entry.view(entry.param.data), _replica_id(topology, entry, index)
+        if copy:
+            data = data.clone() if replica_id == 0 else torch.zeros((), dtype=data.dtype).expand(data.shape)
+        state[key] = ShardedTensor(key, data, entry.global_shape, entry.global_offset, replica_id)
     return state
+
+
+def _shards_params(chunks: list) -> bool:
+    return any(getattr(chunk, "layer_gather", None) is not None for chunk in chunks)
+
+
+@contextlib.contextmanager
+def whole_parameters(chunks: list, write_back: bool = False):
+    """Every chunk's parameters whole inside the block (``DataParallel.whole_parameters``)."""
+    with contextlib.ExitStack() as stack:
+        for chunk in chunks:
+            if hasattr(chunk, "whole_parameters"):
+                stack.enter_context(chunk.whole_parameters(write_back))
+        yield
 
 
 def _state_key(entry: ParamEntry, name: str) -> str:
@@ -172,11 +192,9 @@ def save_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimiz
                     consumed_samples: int, scaler_state: dict, saver=None) -> None:
     for chunk in chunks:  # parallel.overlap_param_gather: wait for the step's parameter all-gathers
         chunk.finish_param_sync()
-    state: dict[str, Any] = {
-        **model_sharded_state(chunks, topology),
-        **optimizer_save_state(optimizer, topology, chunks),
-        **rng_sharded_state(topology),
-    }
+    with whole_parameters(chunks):  # sharding = "parameters": gathered, copied out, freed again
+        state: dict[str, Any] = {**model_sharded_state(chunks, topology, copy=_shards_params(chunks))}
+    state.update({**optimizer_save_state(optimizer, topology, chunks), **rng_sharded_state(topology)})
     # modules' own state outside their parameters (Transformer Engine's FP8 amax histories)
     extra, extra_bytes = extra_state.save_state([_unwrap(c) for c in chunks], topology, _device(chunks))
     state.update(extra)
@@ -225,7 +243,8 @@ def load_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimiz
     extra_layout = extra_state_layout_change(metadata, config, topology)
     if extra_bytes and not extra_layout:
         template.update(extra_state.load_template(topology, extra_bytes))
-    fmt.load(template, directory, iteration)
+    with whole_parameters(chunks, write_back=True):  # sharding = "parameters": each rank keeps its shard
+        fmt.load(template, directory, iteration)
     if optimizer.has_main_params:  # the model's bf16/fp16 weights from the loaded main weights
         optimizer.publish_main_weights()
     if same_rng:

@@ -61,8 +61,9 @@ def build_model_chunks(config: RunConfig, topology: Topology, device: torch.devi
             pre_process=first_virtual, post_process=last_virtual, layer_range=layer_range,
         )
         chunks.append(cast_weights(model.to(device), config.train.params_dtype))
-        if DTYPES[config.train.params_dtype] != torch.float32:
-            # fp32 main_grad buffers: the weight-gradient GEMMs accumulate into them directly
+        if DTYPES[config.train.params_dtype] != torch.float32 and config.parallel.sharding in ("none", "optimizer"):
+            # fp32 main_grad buffers: the weight-gradient GEMMs accumulate into them directly (ZeRO-2/3
+            # keep no whole main_grad between micro-batches: each gradient is added into its bucket)
             enable_wgrad_fusion(model)
     set_async_tp(topology.tp_group if config.parallel.async_tp else None)  # process-wide: every run sets its own
     if config.train.compile:
@@ -94,7 +95,8 @@ def wrap_data_parallel(config: RunConfig, topology: Topology, chunks: list[torch
             chunk, topology,
             bucket_size_mb=p.bucket_size_mb,
             overlap_grad_reduce=p.overlap_grad_reduce,
-            use_distributed_optimizer=p.distributed_optimizer,
+            sharding=p.sharding,
+            dp_replicate=p.dp_replicate,
             overlap_param_gather=p.overlap_param_gather,
             # bf16/fp16 weights: gradients accumulate and reduce in fp32 (param.main_grad)
             grad_dtype=torch.float32,

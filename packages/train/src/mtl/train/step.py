@@ -12,7 +12,6 @@ import torch.distributed as dist
 from mtl.core.config import RunConfig
 from mtl.models.moe import set_aux_loss_scale
 from mtl.parallel.topology import Topology
-from mtl.parallel.ddp import accumulated_grad
 from mtl.train.cuda_graphs import capture_or_check
 from mtl.train.precision import DTYPES, LossScaler, autocast
 
@@ -132,11 +131,8 @@ def queue_train_step(config: RunConfig, topology: Topology, chunks: list, optimi
         chunk.finish_grad_sync()
     allreduce_shared_embedding_grads(chunks, topology)
 
-    if scaler.scale != 1.0:
-        for p in optimizer.model_params:
-            grad = accumulated_grad(p)
-            if grad is not None:
-                grad.mul_(1.0 / scaler.scale)
+    if scaler.scale != 1.0:  # the gradients the optimizer reads: whole, or its shards
+        optimizer.scale_grads(1.0 / scaler.scale)
     max_norm = config.train.clip_grad if config.train.clip_grad > 0 else float("inf")
     for group in optimizer.param_groups:
         group["lr"] = lr

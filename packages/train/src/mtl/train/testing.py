@@ -48,6 +48,16 @@ LAYOUTS = {
     "dp2_pp2": (4, ["parallel.pp=2"]),
     "dp4_distopt": (4, ["parallel.distributed_optimizer=true"]),
 }
+# Sharded data parallelism (parallel.sharding, dp_replicate: packages/train/tests/test_sharding.py);
+# ZeRO-2 and ZeRO-3 each with every other layout they touch.
+SHARDED_LAYOUTS = {
+    "dp2_zero2": (2, ["parallel.sharding='gradients'"]),
+    "dp2_zero3": (2, ["parallel.sharding='parameters'"]),
+    "dp4_zero3": (4, ["parallel.sharding='parameters'"]),
+    "tp2_dp2_zero3": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.sharding='parameters'"]),
+    "dp2_pp2_zero3": (4, ["parallel.pp=2", "parallel.sharding='parameters'"]),
+    "dp4_hybrid_zero3": (4, ["parallel.sharding='parameters'", "parallel.dp_replicate=2"]),
+}
 # Layouts only GPUs run (tests/gpu/test_equivalence_nccl.py, the CUDA tests): async TP's fused
 # ops are CUDA ops over NCCL symmetric memory.
 GPU_LAYOUTS = {
@@ -76,7 +86,7 @@ def run_tiny(overrides: list[str], with_grads: bool = True) -> dict:
     run = result.run
     grads: dict[str, torch.Tensor] = {}
     if with_grads:
-        if cfg.parallel.distributed_optimizer:
+        if getattr(run.chunks[0], "use_distributed_optimizer", False):
             complete_sharded_grads(run.chunks)
         for chunk in run.chunks:  # TP-gathered; each pipeline stage reports its own layers
             gathered = gather_global_state(getattr(chunk, "module", chunk), run.topology, grads=True)
@@ -85,30 +95,37 @@ def run_tiny(overrides: list[str], with_grads: bool = True) -> dict:
 
 
 def complete_sharded_grads(ddp_chunks: list) -> None:
-    """Under the distributed optimizer a rank's gradient buffer holds the reduced gradient only
-    on its shard of each bucket (what its optimizer updates): put every rank's shards together
-    over the buffer's reduce group, one all-reduce per buffer, so that the gradients compared
-    are the ones the optimizers used, whole on every rank as without it."""
+    """Under the distributed optimizer a rank holds the reduced gradient only on its shard of
+    each bucket (what its optimizer updates; under ZeRO-2/3 nothing else): put every rank's
+    shards together over the bucket's shard group, one all-reduce per bucket, so that the
+    gradients compared are the ones the optimizers used, whole on every rank as without it."""
     import torch.distributed as dist
 
     for chunk in ddp_chunks:
         for buf in chunk.buffers_by_dtype:
             group = buf.reduce_group
-            if group.group is None:
-                continue
-            owned = torch.zeros_like(buf.grad_data)
             for bucket in buf.buckets:
                 lo, hi = bucket.shard_range(group.rank)
-                owned[bucket.start + lo: bucket.start + hi] = buf.grad_data[bucket.start + lo: bucket.start + hi]
-            dist.all_reduce(owned, group=group.group)
-            buf.grad_data.copy_(owned)
+                whole = torch.zeros(bucket.numel, dtype=buf.dtype, device=buf.device)
+                whole[lo:hi] = bucket.grad_shard
+                if group.group is not None:
+                    dist.all_reduce(whole, group=group.group)
+                if not bucket.shards_grads:
+                    bucket.grad_view.copy_(whole)
+                    continue
+                for slot in bucket.slots:  # ZeRO-2/3 keep no whole gradient: give each parameter one
+                    grad = whole[slot.start - bucket.start: slot.end - bucket.start].view_as(slot.param)
+                    if buf.uses_main_grad:
+                        slot.param.main_grad = grad
+                    else:
+                        slot.param.grad = grad
 
 
 def run_layout(layout: str, extra: list[str] = (), backend: str = "gloo") -> list[dict]:
     """Run one of ``LAYOUTS`` (or ``GPU_LAYOUTS``) on its world size."""
     from mtl.parallel.testing import run_distributed
 
-    world, overrides = {**LAYOUTS, **GPU_LAYOUTS}[layout]
+    world, overrides = {**LAYOUTS, **SHARDED_LAYOUTS, **GPU_LAYOUTS}[layout]
     return run_distributed(run_tiny, world, args=([*overrides, *extra],), backend=backend)
 
 

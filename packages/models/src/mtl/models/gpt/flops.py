@@ -48,12 +48,27 @@ def layer_flops_per_iteration(cfg: RunConfig) -> list[float]:
 
 
 def activation_bytes_per_layer(cfg: RunConfig) -> float:
-    """Activations one layer keeps for backward, one micro-batch on one rank: Megatron's
-    s*b*h*(34 + 5*a*s/h) bytes for 16-bit activations without recompute, divided by tp
-    (2*s*b*h/tp, the layer's input, under full recompute); doubled in fp32."""
+    """Activations one layer keeps for backward, one micro-batch on one rank, in units of s*b*h
+    16-bit values (doubled in fp32). Megatron's count (Korthikanti et al., 34*s*b*h/tp with
+    sequence parallelism, plus 5*a*s/h*s*b*h/tp of attention scores) item by item, as mtl's
+    layers keep them: no s x s scores, softmax or attention-dropout mask (every attention kernel
+    mtl runs, SDPA's flash / cuDNN / memory-efficient, FA4 and Transformer Engine's fused one,
+    keeps only q, k, v, the output and a per-row log-sum-exp: on 4 H200s the s x s term made
+    the 8B row's estimate 3.4x its measured peak), k and v at the grouped-query width, the MLP at
+    its own width (SwiGLU's fc1 output is two ffn-wide halves), and the two 1-byte
+    hidden-dropout masks only under ``model.hidden_dropout``. Without sequence parallelism the
+    norms' inputs and outputs and the masks are whole on every TP rank. Full recompute keeps
+    only the layer's input, 2*s*b*h/tp."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    s, b, h, a = m.seq_length // p.cp, t.micro_batch_size, m.hidden_size, m.num_attention_heads
-    per_layer = s * b * h * (34 + 5 * a * s / h) / p.tp
+    s, b, h = m.seq_length // p.cp, t.micro_batch_size, m.hidden_size
+    kv = m.num_query_groups / m.num_attention_heads
+    ffn = m.ffn_hidden_size / h
+    gated = 2 if m.activation == "swiglu" else 1
+    # bytes per token and hidden unit: 16-bit values are 2, the dropout masks 1 each
+    whole = 2 + 2 + 2 + 2 + (2 if m.hidden_dropout > 0 else 0)  # the 2 norms' inputs and outputs, the masks
+    split = (2 + 4 * kv + 2  # q, then k and v at the grouped-query width; the attention output
+             + 2 * gated * ffn + 2 * ffn)  # fc1's output, the activation's (fc2's input)
+    per_layer = s * b * h * ((whole + split) / p.tp if p.sequence_parallel else whole + split / p.tp)
     if t.recompute == "full":
         per_layer = 2 * s * b * h / p.tp
     return per_layer * (2 if t.precision == "fp32" else 1)

@@ -17,16 +17,14 @@ average afterwards (``param.dp_owned_grad_range`` says which flat part of each p
 and ``mtl.parallel.optimizer.DistributedOptimizer`` updates that shard and all-gathers the
 parameters over the same group.
 
-With ``overlap_param_gather`` (distributed optimizer only) that all-gather is asynchronous:
-the optimizer's step launches one all-gather per bucket and returns, and a forward pre-hook
-on every submodule that owns parameters waits for the gathers of the buckets holding them
-just before it runs. Buckets follow the reverse parameter order, so the first layers' buckets
-are the last ones: they are launched first, and the gathers of later layers' buckets run
-while the first layers compute. A handle is waited once and then dropped: later
-forwards of the same step (micro-batches, recompute) do not wait again. Whatever reads
-parameters outside a forward (a checkpoint save, say) must call ``finish_param_sync()``
-first; ``state_dict``, ``load_state_dict``, ``gather_params`` and the distributed
-optimizer's step do it themselves.
+``sharding`` goes further (ZeRO-2: each micro-batch's buckets are reduce-scattered and freed,
+``sharded_grads.py``; ZeRO-3: parameters too are kept as shards and gathered per layer,
+``param_gather.py``); ``dp_replicate`` shards within blocks of the group (``hybrid.py``).
+
+With ``overlap_param_gather`` (ZeRO-1/2) the optimizer's all-gathers are only launched and
+each forward waits for its buckets (``param_gather.register_wait_hooks``). Whatever reads
+parameters outside a forward must call ``finish_param_sync()`` first (``state_dict``,
+``load_state_dict``, ``gather_params`` and the optimizer's step do).
 
 Parameters marked ``mark_sequence_parallel_grad`` (norm weights, row biases under sequence
 parallelism: each TP rank's gradient covers its own part of the sequence) are summed over
@@ -51,11 +49,17 @@ import torch.distributed as dist
 from torch import nn
 
 from mtl.core.errors import ParallelError
+from mtl.parallel.ddp import sharded_grads
+from mtl.parallel.ddp.bucket_storage import HeldBytes
 from mtl.parallel.ddp.grad_buffer import Bucket, GradBuffer
+from mtl.parallel.ddp.hybrid import reduce_over_replicas, sum_sequence_parallel_shards
+from mtl.parallel.ddp.param_gather import ROOT, LayerGather, gather_units, register_wait_hooks
 from mtl.parallel.ddp.reduce_group import DENSE, EXPERT, ReduceGroup, is_expert_param
 from mtl.parallel.flat_collectives import all_gather_flat, reduce_scatter_flat
 from mtl.parallel.sequence_parallel_grads import allreduce_sequence_parallel_grads, has_sequence_parallel_grad
 from mtl.parallel.topology import Topology
+
+SHARDINGS = ("none", "optimizer", "gradients", "parameters")  # parallel.sharding: ZeRO-0..3
 
 
 class DataParallel(nn.Module):
@@ -69,10 +73,22 @@ class DataParallel(nn.Module):
         use_distributed_optimizer: bool = False,
         overlap_param_gather: bool = False,
         grad_dtype: torch.dtype | None = None,
+        sharding: str | None = None,
+        dp_replicate: int = 1,
     ) -> None:
         """``grad_dtype`` (e.g. fp32 under bf16 weights) accumulates and reduces gradients in
-        that dtype, in ``param.main_grad``; None keeps them in the parameters' dtype."""
+        that dtype, in ``param.main_grad``; None keeps them in the parameters' dtype.
+        ``sharding`` ("none", "optimizer", "gradients", "parameters"; None: "optimizer" with
+        ``use_distributed_optimizer``, else "none") and ``dp_replicate`` are
+        ``parallel.sharding`` and ``parallel.dp_replicate`` (the package README's "Sharded data parallelism")."""
         super().__init__()
+        sharding = sharding or ("optimizer" if use_distributed_optimizer else "none")
+        if sharding not in SHARDINGS or (use_distributed_optimizer and sharding == "none"):
+            raise ParallelError(f"DataParallel sharding = {sharding!r} (use_distributed_optimizer="
+                                f"{use_distributed_optimizer}) must be one of {', '.join(SHARDINGS)}, "
+                                "and not 'none' with the distributed optimizer (parallel.sharding)")
+        use_distributed_optimizer = sharding != "none"
+        self.sharding = sharding
         if not bucket_size_mb > 0:
             raise ParallelError(
                 f"DataParallel bucket_size_mb = {bucket_size_mb!r} must be > 0 (parallel.bucket_size_mb; "
@@ -90,14 +106,17 @@ class DataParallel(nn.Module):
         self.use_distributed_optimizer = use_distributed_optimizer
         self.overlap_param_gather = overlap_param_gather
         # The dense parameters' group (dp x cp); expert buffers carry their own (edp x cp).
-        self.reduce_groups = {name: ReduceGroup.of(topology, name) for name in (DENSE, EXPERT)}
+        self.reduce_groups = {name: ReduceGroup.of(topology, name, dp_replicate) for name in (DENSE, EXPERT)}
         dense = self.reduce_groups[DENSE]
         self.group, self.group_size, self.group_rank = dense.group, dense.size, dense.rank
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ParallelError(f"DataParallel got a {type(module).__name__} with no trainable parameters")
-        self.buffers_by_dtype = self._grad_buffers(named, bucket_size_mb, use_distributed_optimizer, grad_dtype)
+        self.held_bytes = HeldBytes()  # the buffers' storage: weights, gradients and their shards
+        # ZeRO-2/3: a bucket holds one layer's parameters at most, so what is gathered or filled whole is a layer
+        units, unit_of = gather_units(module) if sharding in ("gradients", "parameters") else ([], None)
+        self.buffers_by_dtype = self._grad_buffers(named, bucket_size_mb, grad_dtype, unit_of)
         # One launch order for every rank (NCCL needs collectives in the same order everywhere).
         self.buckets: list[Bucket] = [b for buf in self.buffers_by_dtype for b in buf.buckets]
         self._owner = {id(p): (buf, buf.slot_of[id(p)]) for buf in self.buffers_by_dtype for _, p in named
@@ -111,6 +130,7 @@ class DataParallel(nn.Module):
 
         # summed over TP by finish_grad_sync, in this order on every TP rank (the same module part)
         self._sequence_parallel_params = [p for _, p in named if has_sequence_parallel_grad(p)]
+        self._in_flight: list[Bucket] = []  # ZeRO-2/3: the bucket whose reduce-scatter runs
         self._sync_enabled = True  # False inside no_sync()
         self._synced = False  # finish_grad_sync() done since the last backward / zero_grad
         self._next_launch = 0  # index into self.buckets of the next collective to start
@@ -122,11 +142,20 @@ class DataParallel(nn.Module):
         # to wait for). Holding the handle keeps the collective and its tensors alive.
         self._param_gather_handles: list[object | None] = [None] * len(self.buckets)
         self.num_param_gathers_waited_in_forward = 0  # since construction; tests read it
-        self._param_gather_hook_handles = self._register_param_gather_hooks() if overlap_param_gather else []
+        self._param_gather_hook_handles = (register_wait_hooks(module, self.buckets, self._on_param_gather_waited)
+                                            if overlap_param_gather else [])
         self.broadcast_params()
+        self.layer_gather = None  # ZeRO-3's hooks (param_gather.py)
+        if sharding == "parameters":
+            for buf in self.buffers_by_dtype:
+                buf.keep_param_shards_only()
+            self.layer_gather = LayerGather(module, units, unit_of, self.buckets, self.held_bytes)
+        if sharding in ("gradients", "parameters"):
+            sharded_grads.attach_owned_grads(self.buffers_by_dtype)
+        self.held_bytes.reset_peak()
 
     def _grad_buffers(self, named: list[tuple[str, nn.Parameter]], bucket_size_mb: float,
-                      use_distributed_optimizer: bool, grad_dtype: torch.dtype | None) -> list[GradBuffer]:
+                      grad_dtype: torch.dtype | None, unit_of: dict[int, int] | None) -> list[GradBuffer]:
         """One buffer per (dtype, reduce group): a bucket is one collective over one group."""
         by_kind: dict[tuple[torch.dtype, str], list[tuple[str, nn.Parameter]]] = {}
         for name, param in named:
@@ -139,9 +168,13 @@ class DataParallel(nn.Module):
                 params,
                 bucket_size_numel=max(1, int(bucket_size_mb * 2**20 / element_size)),
                 num_shards=reduce_group.size,
-                with_param_buffer=use_distributed_optimizer,
+                with_param_buffer=self.use_distributed_optimizer,
                 grad_dtype=grad_dtype,
                 reduce_group=reduce_group,
+                shard_grads=self.sharding in ("gradients", "parameters"),
+                shard_params=self.sharding == "parameters",
+                unit_of=unit_of,
+                held=self.held_bytes,
             ))
         return buffers
 
@@ -158,8 +191,23 @@ class DataParallel(nn.Module):
             return getattr(self.module, name)  # e.g. set_input_tensor of a pipeline stage
 
     def state_dict(self, *args, **kwargs):
+        if self.layer_gather is not None:
+            raise ParallelError("DataParallel.state_dict() under sharding = 'parameters' would return freed "
+                                "weights; read them inside `with model.whole_parameters():`")
         self.finish_param_sync()
         return self.module.state_dict(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def whole_parameters(self, write_back: bool = False) -> Iterator[None]:
+        """Every parameter whole inside the block (a checkpoint's save or load): a no-op but for
+        ``sharding = "parameters"``, where they are gathered and freed again after it, and with
+        ``write_back`` (a load) each rank's shard is taken from what was written into them."""
+        self.finish_param_sync()
+        if self.layer_gather is None:
+            yield
+            return
+        with self.layer_gather.all_gathered(write_back):
+            yield
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if assign:
@@ -168,7 +216,8 @@ class DataParallel(nn.Module):
                 "contiguous buffers; load with assign=False (copies in place)"
             )
         self.finish_param_sync()  # an in-flight gather would overwrite what is loaded
-        return self.module.load_state_dict(state_dict, strict=strict)
+        with self.whole_parameters(write_back=True):
+            return self.module.load_state_dict(state_dict, strict=strict)
 
     # ---- gradient accumulation -------------------------------------------------------------
     @contextlib.contextmanager
@@ -183,9 +232,12 @@ class DataParallel(nn.Module):
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the gradient buffers (``set_to_none`` is ignored: grads are buffer views)."""
+        for bucket in self.buckets:  # ZeRO-2/3: a reduce-scatter still in flight finishes first
+            sharded_grads.complete(bucket, self.held_bytes)
         for buf in self.buffers_by_dtype:
-            buf.grad_data.zero_()
-            buf.attach_grads()
+            buf.zero_grads()
+        if self.layer_gather is not None:
+            self.layer_gather.release_all()
         self._reset_buckets()
         self.num_collectives_launched = 0
         self._synced = False
@@ -197,6 +249,10 @@ class DataParallel(nn.Module):
 
     def _on_grad_accumulated(self, param: nn.Parameter) -> None:
         buf, slot = self._owner[id(param)]
+        bucket = buf.buckets[slot.bucket_index]
+        if bucket.shards_grads:
+            self._on_sharded_grad(bucket, slot, param)
+            return
         if buf.uses_main_grad:  # this micro-batch's gradient, in the weights' dtype, into fp32
             if not getattr(param, "wgrad_fused", False):  # else the GEMM already added it (wgrad_fusion.py)
                 param.main_grad.add_(param.grad)
@@ -222,6 +278,23 @@ class DataParallel(nn.Module):
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].all_ready:
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
+
+    def _on_sharded_grad(self, bucket: Bucket, slot, param: nn.Parameter) -> None:
+        """ZeRO-2/3: every micro-batch reduce-scatters its buckets as they fill (no_sync does
+        not hold them back: a full gradient is never kept past its bucket)."""
+        if getattr(param, "wgrad_fused", False):
+            raise ParallelError(f"'{slot.name}' accumulates its weight gradient in the GEMM (wgrad fusion), which "
+                                f"sharding = '{self.sharding}' does not keep a main_grad for; build without it")
+        sharded_grads.add_grad(bucket, slot, param, self.held_bytes)
+        if self._synced:
+            self._synced = False
+        bucket.ready.add(id(param))  # a set: a parameter a micro-batch skipped may come twice
+        if bucket.all_ready:
+            self.num_collectives_launched += sharded_grads.launch(bucket, self.held_bytes, self._in_flight)
+            bucket.ready.clear()
+            if self.layer_gather is not None and bucket.shards_params and \
+                    self.layer_gather.unit_of_bucket(bucket) != ROOT:
+                self.layer_gather.release_bucket(bucket)  # this layer's backward is done
 
     # ---- communication ---------------------------------------------------------------------
     def _launch(self, bucket: Bucket) -> None:
@@ -249,13 +322,23 @@ class DataParallel(nn.Module):
         if self._synced:
             return
         for bucket in self.buckets:
-            if not bucket.launched:  # overlap off, or parameters that got no gradient
+            if bucket.shards_grads:  # ZeRO-2/3: what a micro-batch left partly filled, then every result
+                self.num_collectives_launched += sharded_grads.launch(bucket, self.held_bytes)
+            elif not bucket.launched:  # overlap off, or parameters that got no gradient
                 self._launch(bucket)
         for bucket in self.buckets:
-            if bucket.handle is not None:
+            if bucket.shards_grads:
+                sharded_grads.complete(bucket, self.held_bytes)
+            elif bucket.handle is not None:
                 bucket.handle.wait()
         self._reset_buckets()
-        allreduce_sequence_parallel_grads(self._sequence_parallel_params, self.topology.tp_group)
+        reduce_over_replicas(self.buckets)
+        if self.sharding in ("gradients", "parameters"):  # only the shards hold gradients
+            sum_sequence_parallel_shards(self._sequence_parallel_params, self.topology.tp_group)
+        else:
+            allreduce_sequence_parallel_grads(self._sequence_parallel_params, self.topology.tp_group)
+        if self.layer_gather is not None:
+            self.layer_gather.release_all()
         self._synced = True
 
     @torch.no_grad()
@@ -272,7 +355,7 @@ class DataParallel(nn.Module):
         for index in reversed(range(len(self.buckets))):
             bucket = self.buckets[index]
             reduce_group = bucket.reduce_group
-            if reduce_group.group is None:
+            if reduce_group.group is None or bucket.shards_params:  # ZeRO-3: gathered per layer when used
                 continue
             lo, hi = bucket.shard_range(reduce_group.rank)
             self._param_gather_handles[index] = all_gather_flat(
@@ -300,24 +383,9 @@ class DataParallel(nn.Module):
         handle.wait()
         return True
 
-    def _register_param_gather_hooks(self) -> list:
-        """A forward pre-hook on each submodule that directly owns parameters of this wrapper:
-        it waits for the gathers of the buckets holding them (a module's parameters may span
-        several buckets, a bucket several modules)."""
-        bucket_of = {id(slot.param): index for index, bucket in enumerate(self.buckets) for slot in bucket.slots}
-        handles = []
-        for submodule in self.module.modules():
-            indices = sorted({bucket_of[id(p)] for p in submodule.parameters(recurse=False) if id(p) in bucket_of})
-            if not indices:
-                continue
-
-            def pre_hook(_module, _args, indices=tuple(indices)):
-                for index in indices:
-                    if self._wait_param_gather(index):
-                        self.num_param_gathers_waited_in_forward += 1
-
-            handles.append(submodule.register_forward_pre_hook(pre_hook))
-        return handles
+    def _on_param_gather_waited(self, index: int) -> None:
+        if self._wait_param_gather(index):
+            self.num_param_gathers_waited_in_forward += 1
 
     @torch.no_grad()
     def broadcast_params(self) -> None:
@@ -325,10 +393,8 @@ class DataParallel(nn.Module):
         (expert parameters: of the first rank holding the same experts)."""
         for buf in self.buffers_by_dtype:
             reduce_group = buf.reduce_group
-            if reduce_group.group is None:
+            if reduce_group.whole_group is None:
                 continue
-            if buf.param_data is not None:
-                dist.broadcast(buf.param_data, src=reduce_group.src, group=reduce_group.group)
-            else:
-                for slot in buf.slots:
-                    dist.broadcast(slot.param.data, src=reduce_group.src, group=reduce_group.group)
+            storages = buf.param_storages() if self.use_distributed_optimizer else [s.param.data for s in buf.slots]
+            for storage in storages:
+                dist.broadcast(storage, src=reduce_group.src, group=reduce_group.whole_group)

@@ -69,6 +69,7 @@ class AdamWShell:
     arithmetic and torch's optimizer state (``triton_adamw``)."""
 
     is_dp_sharded = False
+    shard_group = "dp_cp"  # the topology group (or a group) the gradient shards split over
 
     def __init__(self, entries: list[StateEntry], topology: Topology, *, lr: float, betas: tuple[float, float],
                  eps: float, weight_decay: float) -> None:
@@ -150,7 +151,15 @@ class AdamWShell:
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """``optimizer.grad_norm.clip_grad_norm`` over this optimizer's parameters."""
-        return clip_grad_norm(self.model_params, max_norm, self.topology, grads_are_dp_sharded=self.is_dp_sharded)
+        return clip_grad_norm(self.model_params, max_norm, self.topology, grads_are_dp_sharded=self.is_dp_sharded,
+                              shard_group=self.shard_group)
+
+    @torch.no_grad()
+    def scale_grads(self, factor: float) -> None:
+        """Multiply the gradients this optimizer reads (a loss scale's inverse) in place."""
+        grads = [e.piece.grad for e in self.entries if e.piece.grad is not None and e.piece.grad.numel()]
+        if grads:
+            torch._foreach_mul_(grads, factor)
 
     @torch.no_grad()
     def clip_and_step(self, max_norm: float, skip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,7 +176,7 @@ class AdamWShell:
         skips a step."""
         if not max_norm > 0:
             raise ParallelError(f"clip_and_step max_norm = {max_norm!r} must be > 0 (train.clip_grad; inf: no clipping)")
-        norm = global_grad_norm(self.model_params, self.topology, self.is_dp_sharded)
+        norm = global_grad_norm(self.model_params, self.topology, self.is_dp_sharded, self.shard_group)
         found_inf = (~torch.isfinite(norm)).float()
         if skip is not None:
             found_inf = torch.maximum(found_inf, skip.to(found_inf.device, torch.float32))
@@ -223,6 +232,17 @@ class AdamWShell:
             if e.model_view is not None:
                 moments[MAIN_PARAM] = e.piece.detach()
             yield e.source, moments
+
+    def state_bytes(self) -> int:
+        """Bytes of the state this rank holds: the moments, and fp32 main weights where the
+        model's are 16-bit (a piece that is the weights' own storage is the model's, not counted)."""
+        total = 0
+        for e in self.entries:
+            state = self.inner.state.get(e.piece, {})
+            total += sum(state[m].numel() * state[m].element_size() for m in MOMENTS if m in state)
+            if e.model_view is not None:
+                total += e.piece.numel() * e.piece.element_size()
+        return total
 
     def common_state(self) -> dict:
         """What every rank holds alike: the number of steps taken."""

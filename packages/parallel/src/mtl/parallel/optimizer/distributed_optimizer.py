@@ -6,9 +6,9 @@ each bucket, so rank r holds the averaged gradient of the r-th 1/N of every buck
 parameters sit in buffers of their own, sharded the same way over the N/ep ranks that hold
 the same experts (``edp_cp``): each expert's state is split over its replicas only. Here:
 
-    piece (this rank's part of one parameter) = param_data[a:b]  (a view: updating it
-                                                updates the parameter in place)
-    piece.grad                                = grad_data[a:b]
+    piece (this rank's part of one parameter) = bucket.param_shard[a:b]  (a view: updating it
+                                                updates the parameter, or under ZeRO-3 its shard)
+    piece.grad                                = bucket.grad_shard[a:b]
     AdamW(pieces)                               state: 2 x (1/N of the model) per rank
                                                 (with bf16/fp16 weights on CUDA: the one-pass
                                                 Triton AdamW, which writes the model shard too)
@@ -36,9 +36,10 @@ def _shard_entries(chunks: list[DataParallel]) -> list[StateEntry]:
     entries: list[StateEntry] = []
     for c, chunk in enumerate(chunks):
         for buf in chunk.buffers_by_dtype:
-            for slot, first, last in buf.owned_ranges(buf.reduce_group.rank):
-                params = buf.param_data[slot.start + first : slot.start + last]
-                grads = buf.grad_data[slot.start + first : slot.start + last]
+            for slot, first, last, bucket, at in buf.owned_pieces(buf.reduce_group.rank):
+                # the bucket's shards: views of the flat buffers (ZeRO-1), or tensors of their own (ZeRO-2/3)
+                params = bucket.param_shard[at : at + last - first]
+                grads = bucket.grad_shard[at : at + last - first]
                 name = slot.name if len(chunks) == 1 else f"chunk{c}.{slot.name}"
                 if buf.uses_main_grad:  # bf16/fp16 weights: AdamW updates an fp32 main shard
                     entries.append(StateEntry(main_copy(params, grads), slot.param, name, first, model_view=params))
@@ -63,6 +64,9 @@ class DistributedOptimizer(AdamWShell):
                     + ("" if not isinstance(chunk, DataParallel) else " without it")
                 )
         self.chunks = chunks
+        # hybrid sharding: the shards (and their squares in the norm) repeat over the replicas
+        self.shard_group = chunks[0].reduce_groups["dp_cp"].group if chunks[0].reduce_groups["dp_cp"].replicate_group \
+            is not None else "dp_cp"
         super().__init__(_shard_entries(chunks), topology, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
     def step(self) -> None:

@@ -9,6 +9,8 @@ Each element of the model's gradient is counted exactly once, by the parameter's
 - pipeline stages hold different layers: summed over the pipeline group; the last stage's
   copy of a tied embedding (``shared_embedding`` on a stage other than the first)
   repeats the first stage's and is not counted;
+- under ZeRO-2/3 a rank holds nothing but that range (``param.dp_owned_grad``); under hybrid
+  sharding the shards repeat over the replica blocks and are summed over one block only;
 - with the distributed optimizer each dp x cp rank holds the reduced gradient of its own
   flat range of each parameter only (``param.dp_owned_grad_range``): that range is counted
   and the squares are summed over ``dp_cp`` too. Without it the gradients are identical
@@ -47,6 +49,8 @@ def _counted_grad(param: nn.Parameter, topology: Topology, grads_are_dp_sharded:
         return None
     if not grads_are_dp_sharded:
         return accumulated_grad(param)
+    if getattr(param, "dp_owned_grad", None) is not None:  # ZeRO-2/3: only the shard exists
+        return param.dp_owned_grad
     owned = getattr(param, "dp_owned_grad_range", None)
     if owned is None:
         raise ParallelError(
@@ -77,7 +81,7 @@ def _rank_squares(params: list, topology: Topology, grads_are_dp_sharded: bool,
     grads = [g for g in counted if g is not None]
     # Gradients not counted (copies of ones another rank counts) still take part with weight
     # 0: finite -> +0, inf/NaN -> NaN, so any non-finite element anywhere shows in the result.
-    uncounted = [accumulated_grad(p) for p, g in zip(params, counted) if g is None]
+    uncounted = [_held_grad(p) for p, g in zip(params, counted) if g is None]
     squares = torch.zeros((), dtype=torch.float32, device=device)
     if grads:
         squares = squares + _sum_of_squares(grads)
@@ -86,27 +90,38 @@ def _rank_squares(params: list, topology: Topology, grads_are_dp_sharded: bool,
     return squares
 
 
-def global_grad_norm(params, topology: Topology, grads_are_dp_sharded: bool = False) -> torch.Tensor:
-    """The L2 norm of the whole model's gradient, the same fp32 scalar on every rank."""
-    unique = list({id(p): p for p in params if accumulated_grad(p) is not None}.values())
+def _held_grad(param: nn.Parameter) -> torch.Tensor | None:
+    """What this rank holds of ``param``'s gradient: the whole (``accumulated_grad``), or under
+    ZeRO-2/3 only its reduced shard."""
+    grad = accumulated_grad(param)
+    return grad if grad is not None else getattr(param, "dp_owned_grad", None)
+
+
+def global_grad_norm(params, topology: Topology, grads_are_dp_sharded: bool = False,
+                     shard_group="dp_cp") -> torch.Tensor:
+    """The L2 norm of the whole model's gradient, the same fp32 scalar on every rank.
+    ``shard_group``: what sharded gradients are split over (a topology group's name, or under
+    hybrid sharding the shard block's group itself)."""
+    unique = list({id(p): p for p in params if _held_grad(p) is not None}.values())
     # A rank may hold no gradient here (a distributed-optimizer rank whose shards are all
     # padding); it still joins the all-reduces, on the device NCCL needs.
-    device = accumulated_grad(unique[0]).device if unique else _collective_device()
+    device = _held_grad(unique[0]).device if unique else _collective_device()
     dense = _rank_squares([p for p in unique if not is_expert_param(p)], topology, grads_are_dp_sharded, device)
     experts = _rank_squares([p for p in unique if is_expert_param(p)], topology, grads_are_dp_sharded, device)
     ep_group = topology.group("ep")
     if ep_group is not None and not grads_are_dp_sharded:  # other ranks hold other experts
         dist.all_reduce(experts, group=ep_group)
     squares = dense + experts
-    for name in ("tp_pp",) + (("dp_cp",) if grads_are_dp_sharded else ()):
-        group = topology.group(name)
+    for name in ("tp_pp",) + ((shard_group,) if grads_are_dp_sharded else ()):
+        group = topology.group(name) if isinstance(name, str) else name
         if group is not None:
             dist.all_reduce(squares, group=group)
     return squares.sqrt()
 
 
 @torch.no_grad()
-def clip_grad_norm(params, max_norm: float, topology: Topology, grads_are_dp_sharded: bool = False) -> float:
+def clip_grad_norm(params, max_norm: float, topology: Topology, grads_are_dp_sharded: bool = False,
+                   shard_group="dp_cp") -> float:
     """Scale every gradient so the global L2 norm is at most ``max_norm``; return the norm
     before clipping.
 
@@ -115,13 +130,13 @@ def clip_grad_norm(params, max_norm: float, topology: Topology, grads_are_dp_sha
     ``max_norm = inf`` to only measure."""
     if not max_norm > 0:
         raise ParallelError(f"clip_grad_norm max_norm = {max_norm!r} must be > 0 (train.clip_grad; use inf to only measure)")
-    params = list({id(p): p for p in params if accumulated_grad(p) is not None}.values())
-    total = global_grad_norm(params, topology, grads_are_dp_sharded)
+    params = list({id(p): p for p in params if _held_grad(p) is not None}.values())
+    total = global_grad_norm(params, topology, grads_are_dp_sharded, shard_group)
     total_value = total.item()
     if math.isfinite(total_value) and math.isfinite(max_norm):
         coef = max_norm / (total_value + CLIP_EPS)
         if coef < 1.0 and params:
-            torch._foreach_mul_([accumulated_grad(p) for p in params], coef)
+            torch._foreach_mul_([_held_grad(p) for p in params], coef)
     return total_value
 
 
