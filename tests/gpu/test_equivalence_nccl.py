@@ -20,14 +20,14 @@ import pytest
 import torch
 
 from mtl.parallel.testing import run_distributed
-from mtl.train.testing import (GPU_LAYOUTS, LAYOUTS, LOSS_RTOL, MOE_LAYOUTS, MOE_TINY, assemble,
+from mtl.train.testing import (GPU_LAYOUTS, LAYOUTS, LOSS_RTOL, MOE_LAYOUTS, MOE_TINY, SHARDED_LAYOUTS, assemble,
                                compare_with_reference, run_layout, run_tiny)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs")]
 
 MOE_GRAD_RTOL = 1e-5
 CUDA = ["train.device='cuda'"]
-DENSE = {**LAYOUTS, **GPU_LAYOUTS}
+DENSE = {**LAYOUTS, **SHARDED_LAYOUTS, **GPU_LAYOUTS}
 
 
 def needs_gpus(world: int) -> None:
