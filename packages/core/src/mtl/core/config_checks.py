@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any
 
 from mtl.core.config_feature_checks import check_features
+from mtl.core.config_hybrid import check_hybrid, check_hybrid_values
 from mtl.core.config_pipeline import check_flops_split, pipeline_layer_split
 from mtl.core.config_sections import CHOICES, SECTIONS, ModelConfig, ParallelConfig, TrainConfig
 from mtl.core.errors import ConfigError
@@ -39,6 +40,7 @@ def check_values(cfg: Any) -> None:
             raise ConfigError(f"model.{name} = {getattr(m, name)} must be at least 1")
     if m.moe_layer_freq < 1:
         raise ConfigError(f"model.moe_layer_freq = {m.moe_layer_freq} must be at least 1")
+    check_hybrid_values(m, p)
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ConfigError("train.micro_batch_size and train.global_batch_size must be at least 1")
 
@@ -50,6 +52,7 @@ def check(cfg: Any, tokenizer_vocab_size: int | None) -> None:
     _check_layout(p, m)
     _check_model(m, p, tokenizer_vocab_size)
     _check_moe(m, p)
+    check_hybrid(m, p)
     _check_train(t, p)
     check_features(cfg)
 
