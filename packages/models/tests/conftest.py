@@ -58,3 +58,37 @@ def single():
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
+
+
+# The hybrid family's tests: a tiny model with every layer kind, 4 SSM heads in 2 groups.
+HYBRID_MODEL = {
+    "family": "hybrid",
+    "hybrid_pattern": "M*M-",
+    "num_layers": 4,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "seq_length": 16,
+    "mamba_head_dim": 16,
+    "mamba_num_groups": 2,
+    "mamba_state_dim": 8,
+    "mamba_chunk_size": 8,
+    "tie_embeddings": False,
+}
+
+
+def hybrid_config(world_size: int = 1, vocab_size: int = 100, **sections) -> RunConfig:
+    """Resolved; ``sections`` maps a section name to overrides (``parallel={"tp": 2}``)."""
+    config = RunConfig()
+    overrides = {"model": dict(HYBRID_MODEL)}
+    for section, values in sections.items():
+        overrides.setdefault(section, {}).update(values)
+    for section, values in overrides.items():
+        for key, value in values.items():
+            setattr(getattr(config, section), key, value)
+    return config.resolve(world_size, vocab_size)
+
+
+@pytest.fixture
+def make_hybrid_config():
+    return hybrid_config

@@ -56,6 +56,7 @@ def test_cpu_tensors_take_the_pytorch_scan():
     assert torch.equal(y, y_ref) and torch.equal(state, state_ref)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA scan needs a GPU")
 def test_cuda_kernel_matches_the_chunked_scan_in_bf16():
     from mtl.models.mamba.dispatch import mamba_ssm_kernel
