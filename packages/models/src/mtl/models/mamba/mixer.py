@@ -87,6 +87,10 @@ class Mamba2Mixer(nn.Module):
                                      sequence_parallel=sequence_parallel)
         tag_weights(self.out_proj, "residual_output")  # writes into the residual stream: the scaled init
 
+    def extra_repr(self) -> str:
+        return (f"heads={self.local_heads} of {self.head_dim} (local), groups={self.local_groups} (local), "
+                f"state={self.state_dim}, conv={self.conv_weight.shape[-1]}, chunk={self.chunk_size}")
+
     def forward(self, hidden: torch.Tensor, inference_context=None) -> torch.Tensor:
         """[s(/tp), b, h] -> [s(/tp), b, h]."""
         projected = self.in_proj(hidden)  # [s, b, local_groups * sum(group_widths)]
