@@ -10,6 +10,7 @@ from mtl.core.config import RunConfig
 from mtl.core.registrations import Backend, ModelFamily
 from mtl.models.gpt.model import GPTModel, LayerSpec, build_gpt
 from mtl.models.hybrid import flops
+from mtl.models.hybrid.hf_converter import HybridHFConverter
 from mtl.models.hybrid.layer_spec import layer_spec as hybrid_layer_spec
 from mtl.models.mamba.initialization import initialize_ssm_parameters
 
@@ -32,10 +33,11 @@ def build_hybrid(
 
 
 def hybrid_family(converters: Mapping[str, Any] | None = None) -> ModelFamily:
+    """The record; ``converters`` default to Hugging Face's (``hf_converter.py``)."""
     return ModelFamily(
         name="hybrid",
         build=build_hybrid,
-        converters=dict(converters or {}),
+        converters=dict(converters if converters is not None else {"hf": HybridHFConverter()}),
         description="Mamba-2 / attention / MLP / MoE layers by model.hybrid_pattern (Megatron hybrid, Nemotron-H)",
         layer_spec=hybrid_layer_spec,
         flops_per_iteration=flops.flops_per_iteration,
