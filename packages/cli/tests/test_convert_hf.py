@@ -24,6 +24,10 @@ ARCHS = {  # name -> (config class, model class, fields)
     "llama": ("LlamaConfig", "LlamaForCausalLM", LLAMA_FIELDS),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(LLAMA_FIELDS, sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(LLAMA_FIELDS, tie_word_embeddings=True)),
+    # the hybrid family's converter: `mtl convert --from hf` picks the family by config.json's model_type
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", dict(hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16,
+                                                         n_groups=2, state_size=8, chunk_size=8, bos_token_id=0,
+                                                         eos_token_id=0, pad_token_id=0, initializer_range=0.2)),
 }
 
 
