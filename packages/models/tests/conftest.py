@@ -30,8 +30,14 @@ STYLES = {"gpt2": GPT2_STYLE, "llama": LLAMA_STYLE}
 def tiny_config(style: str, world_size: int = 1, vocab_size: int = 100, **sections) -> RunConfig:
     """A resolved config of a 2-layer, 32-wide model of ``style``; ``sections`` maps a section
     name to extra overrides (``model={"qk_norm": False}``)."""
+    model = dict(STYLES[style], num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+    return resolved_config(model, world_size, vocab_size, sections)
+
+
+def resolved_config(model: dict, world_size: int, vocab_size: int, sections: dict) -> RunConfig:
+    """``model`` as the model section, updated by ``sections`` (section name -> overrides), resolved."""
     config = RunConfig()
-    overrides = {"model": dict(STYLES[style], num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)}
+    overrides = {"model": dict(model)}
     for section, values in sections.items():
         overrides.setdefault(section, {}).update(values)
     for section, values in overrides.items():
@@ -79,14 +85,7 @@ HYBRID_MODEL = {
 
 def hybrid_config(world_size: int = 1, vocab_size: int = 100, **sections) -> RunConfig:
     """Resolved; ``sections`` maps a section name to overrides (``parallel={"tp": 2}``)."""
-    config = RunConfig()
-    overrides = {"model": dict(HYBRID_MODEL)}
-    for section, values in sections.items():
-        overrides.setdefault(section, {}).update(values)
-    for section, values in overrides.items():
-        for key, value in values.items():
-            setattr(getattr(config, section), key, value)
-    return config.resolve(world_size, vocab_size)
+    return resolved_config(HYBRID_MODEL, world_size, vocab_size, sections)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from mtl.core.config_io import config_from_dict
 from mtl.core.model_protocol import build_model
 from mtl.core.plugins import registry
 from mtl.models.generate import generate
-from mtl.models.hybrid.hf_converter import HybridHFConverter
+from mtl.models.hybrid.hf_converter import hybrid_hf_converter
 from mtl.models.mamba import dispatch
 from mtl.models.mamba import mixer as mixer_module
 from mtl.models.param_layout import gather_global_state, load_global_state
@@ -35,7 +35,7 @@ def converted(tmp_path_factory):
             if "norm" in name or name.endswith((".D", "conv1d.bias")):
                 param.add_(0.1 * torch.randn_like(param))
     hf_model.save_pretrained(path)
-    section, state = HybridHFConverter().to_mtl(path)
+    section, state = hybrid_hf_converter().to_mtl(path)
     config = config_from_dict({"model": section}).resolve(1)
     single = Topology.single()
     model = build_model(registry("model family").get("hybrid"), config, single, registry("backend").get("local"))
@@ -59,7 +59,7 @@ def test_converted_logits_and_greedy_tokens_match_hf(converted):
 
 def test_round_trip_is_bit_exact(converted, tmp_path):
     hf_model, path, model = converted
-    HybridHFConverter().from_mtl(model.config.model, gather_global_state(model, model.topology), tmp_path)
+    hybrid_hf_converter().from_mtl(model.config.model, gather_global_state(model, model.topology), tmp_path)
     original, exported = load_file(str(path / "model.safetensors")), load_file(str(tmp_path / "model.safetensors"))
     assert sorted(exported) == sorted(original)
     for name, tensor in original.items():

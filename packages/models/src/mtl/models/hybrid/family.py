@@ -10,7 +10,7 @@ from mtl.core.config import RunConfig
 from mtl.core.registrations import Backend, ModelFamily
 from mtl.models.gpt.model import GPTModel, LayerSpec, build_gpt
 from mtl.models.hybrid import flops
-from mtl.models.hybrid.hf_converter import HybridHFConverter
+from mtl.models.hybrid.hf_converter import hybrid_hf_converter
 from mtl.models.hybrid.layer_spec import layer_spec as hybrid_layer_spec
 from mtl.models.mamba.initialization import initialize_ssm_parameters
 
@@ -37,7 +37,7 @@ def hybrid_family(converters: Mapping[str, Any] | None = None) -> ModelFamily:
     return ModelFamily(
         name="hybrid",
         build=build_hybrid,
-        converters=dict(converters if converters is not None else {"hf": HybridHFConverter()}),
+        converters=dict(converters if converters is not None else {"hf": hybrid_hf_converter()}),
         description="Mamba-2 / attention / MLP / MoE layers by model.hybrid_pattern (Megatron hybrid, Nemotron-H)",
         layer_spec=hybrid_layer_spec,
         flops_per_iteration=flops.flops_per_iteration,
