@@ -1,6 +1,7 @@
-"""HF ``Mamba2ForCausalLM`` (a random small one made here) converted to the hybrid family: logits
-within 1e-4 relative, greedy generation equal to transformers' ``generate``, the round trip bit
-for bit; and generation decodes by the one-step recurrence (no scan per new token)."""
+"""HF ``Mamba2ForCausalLM`` and ``NemotronHForCausalLM`` (random small ones made here) converted to
+the hybrid family: logits within 1e-4 relative, greedy generation equal to transformers'
+``generate``, the round trip bit for bit; and generation decodes by the one-step recurrence (no
+scan per new token)."""
 
 import pytest
 import torch
@@ -19,17 +20,26 @@ from mtl.parallel.topology import Topology
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 100
-MAMBA2 = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 4, "head_dim": 16,
-          "expand": 2, "n_groups": 2, "state_size": 8, "conv_kernel": 4, "chunk_size": 8,
+COMMON = {"vocab_size": VOCAB, "hidden_size": 32, "n_groups": 2, "conv_kernel": 4, "chunk_size": 8,
           "initializer_range": 0.2, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+ARCHS = {  # name -> (config class, model class, fields)
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", {
+        **COMMON, "num_hidden_layers": 2, "num_heads": 4, "head_dim": 16, "expand": 2, "state_size": 8}),
+    # Mamba-2, attention (GQA, no positions), Mamba-2, squared-ReLU MLP
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", {
+        **COMMON, "num_hidden_layers": 4, "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 8,
+        "layers_block_type": ["linear_attention", "full_attention", "linear_attention", "mlp"],
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 48}),
+}
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def converted(request, tmp_path_factory):
     """(the HF model, its directory, our model built from its conversion)."""
-    path = tmp_path_factory.mktemp("mamba2")
+    path = tmp_path_factory.mktemp(request.param)
+    config_class, model_class, fields = ARCHS[request.param]
     torch.manual_seed(0)
-    hf_model = transformers.Mamba2ForCausalLM(transformers.Mamba2Config(**MAMBA2)).eval()
+    hf_model = getattr(transformers, model_class)(getattr(transformers, config_class)(**fields)).eval()
     with torch.no_grad():  # HF starts norms at one and D at one: perturb them so a misplaced tensor shows
         for name, param in hf_model.named_parameters():
             if "norm" in name or name.endswith((".D", "conv1d.bias")):
@@ -70,6 +80,7 @@ def test_round_trip_is_bit_exact(converted, tmp_path):
         assert torch.equal(reloaded(ids).logits, hf_model(ids).logits)
 
 
+@pytest.mark.parametrize("converted", ["nemotron_h"], indirect=True)  # Mamba-2 states beside a KV cache
 def test_generation_scans_the_prompt_once_and_decodes_by_recurrence(converted, monkeypatch):
     """256 new tokens: one chunked scan per Mamba layer (the prompt), then one recurrence step per
     token, so each token's cost does not grow with the position; the same tokens as without cache."""
@@ -84,6 +95,6 @@ def test_generation_scans_the_prompt_once_and_decodes_by_recurrence(converted, m
     prompt = [5, 17, 42, 8, 9]
     tokens = generate(model, prompt, max_new_tokens=256, temperature=0)
     assert len(tokens) == 256
-    assert scans == [len(prompt)] * model.config.model.num_layers
+    assert scans == [len(prompt)] * model.config.model.hybrid_pattern.count("M")
     scans.clear()
     assert generate(model, prompt, max_new_tokens=12, temperature=0, use_cache=False) == tokens[:12]

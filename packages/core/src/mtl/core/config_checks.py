@@ -105,6 +105,9 @@ def _check_model(m: ModelConfig, p: ParallelConfig, tokenizer_vocab_size: int | 
         raise ConfigError(
             f"model.ffn_hidden_size = {m.ffn_hidden_size} is not divisible by parallel.tp = {p.tp}"
         )
+    if m.activation == "relu2" and (m.num_experts or m.backend == "te"):
+        raise ConfigError(f"model.activation = 'relu2' is built by the local backend's dense MLP only (here "
+                          f"model.num_experts = {m.num_experts}, model.backend = {m.backend!r}); use gelu or swiglu")
     if m.seq_length > m.max_position_embeddings and m.position_embedding == "learned":
         raise ConfigError(
             f"model.seq_length = {m.seq_length} exceeds model.max_position_embeddings = "

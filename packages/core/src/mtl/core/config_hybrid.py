@@ -52,6 +52,8 @@ def check_hybrid_values(m: ModelConfig, p: ParallelConfig) -> None:
     for key in MAMBA_SIZES:
         if getattr(m, key) < 1:
             raise ConfigError(f"model.{key} = {getattr(m, key)} must be at least 1")
+    if m.mamba_dt_min < 0:
+        raise ConfigError(f"model.mamba_dt_min = {m.mamba_dt_min} must not be negative (0: no floor)")
 
 
 def derive_hybrid(m: ModelConfig, p: ParallelConfig) -> None:

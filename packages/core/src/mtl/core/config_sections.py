@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.normalization": ("layernorm", "rmsnorm"),
-    "model.activation": ("gelu", "swiglu"),
-    "model.position_embedding": ("learned", "rope"),
+    "model.activation": ("gelu", "swiglu", "relu2"),
+    "model.position_embedding": ("learned", "rope", "none"),
     "model.rope_scaling": ("none", "llama3"),
     "model.moe_router": ("softmax", "sigmoid"),
     "train.lr_schedule": ("constant", "linear", "cosine", "wsd"),
@@ -49,7 +49,10 @@ class ModelConfig:
     max_position_embeddings: int | None = None  # derived: seq_length
     normalization: str = "rmsnorm"
     norm_eps: float = 1e-5
+    # the MLP's: "swiglu" (gated, Llama), "gelu" (GPT-2), "relu2" (squared ReLU, Nemotron-H's dense MLP)
     activation: str = "swiglu"
+    # "rope" (rotary), "learned" (a table of max_position_embeddings), "none" (no positions: Nemotron-H's
+    # attention, where the Mamba layers carry the order)
     position_embedding: str = "rope"
     bias: bool = False
     qkv_bias: bool = False  # biases on the query/key/value projection only (Qwen2); `bias` sets all
@@ -93,6 +96,9 @@ class ModelConfig:
     mamba_num_heads: int | None = None  # derived: mamba_expand * hidden_size // mamba_head_dim
     mamba_conv_kernel: int = 4  # width of the depthwise causal convolution over x, B and C
     mamba_chunk_size: int = 128  # positions per chunk of the SSD scan (speed only: same numbers)
+    # the smallest step the scan takes: dt = max(softplus(dt + dt_bias), mamba_dt_min). 0: no floor
+    # (Megatron, Mamba2); Nemotron-H's HF model floors it at its time_step_min (0.001)
+    mamba_dt_min: float = 0.0
 
 
 @dataclass

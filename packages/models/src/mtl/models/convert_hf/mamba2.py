@@ -38,16 +38,56 @@ def mixer_widths(m) -> tuple[list[int], list[int]]:
     return [x_width, x_width, state, state, heads_per_group], [x_width, state, state]
 
 
-def mamba2_model_section(hf: dict[str, Any], source: str) -> dict[str, Any]:
+def check_mamba_conversion(hf: dict[str, Any], source: str, activation: str) -> None:
+    """What mtl's Mamba-2 mixer does not build, refused in one line naming the config.json key."""
     if hf.get("use_bias", False):
         raise ConfigError(f"{source}: use_bias = true; mtl's Mamba-2 projections have no bias")
     if not hf.get("use_conv_bias", True):
         raise ConfigError(f"{source}: use_conv_bias = false; mtl's Mamba-2 convolution has a bias")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{source}: hidden_act = {hf['hidden_act']!r}; mtl's Mamba-2 convolution uses silu")
+    if activation != "silu":
+        raise ConfigError(f"{source}: the Mamba-2 activation is {activation!r}; mtl's convolution uses silu")
     limit = hf.get("time_step_limit", [0.0, float("inf")])
     if [_json_float(v) for v in limit] != [0.0, float("inf")]:
-        raise ConfigError(f"{source}: time_step_limit = {limit}; mtl does not clamp dt (needs (0.0, inf))")
+        raise ConfigError(f"{source}: time_step_limit = {limit}; mtl floors dt only (model.mamba_dt_min), with no "
+                          "ceiling: it converts (0.0, inf)")
+
+
+def mamba_sizes_section(hf: dict[str, Any], *, heads_key: str, head_dim_key: str, state_key: str,
+                        chunk_default: int) -> dict[str, Any]:
+    """The ``[model]`` keys of the Mamba-2 sizes, the norms and the head, from an HF config whose
+    size keys are named as given (Mamba2Config and NemotronHConfig differ)."""
+    return {
+        "mamba_num_heads": hf[heads_key],
+        "mamba_head_dim": hf[head_dim_key],
+        "mamba_num_groups": hf["n_groups"],
+        "mamba_state_dim": hf[state_key],
+        "mamba_conv_kernel": hf["conv_kernel"],
+        "mamba_chunk_size": hf.get("chunk_size", chunk_default),
+        "normalization": "rmsnorm",
+        "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+    }
+
+
+def mamba_sizes_config(m, *, heads_key: str, head_dim_key: str, state_key: str) -> dict[str, Any]:
+    """The inverse of ``mamba_sizes_section``: config.json's keys."""
+    return {
+        heads_key: m.mamba_num_heads,
+        head_dim_key: m.mamba_head_dim,
+        "n_groups": m.mamba_num_groups,
+        state_key: m.mamba_state_dim,
+        "expand": m.mamba_num_heads * m.mamba_head_dim // m.hidden_size,
+        "conv_kernel": m.mamba_conv_kernel,
+        "chunk_size": m.mamba_chunk_size,
+        "layer_norm_epsilon": m.norm_eps,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "tie_word_embeddings": m.tie_embeddings,
+    }
+
+
+def mamba2_model_section(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    check_mamba_conversion(hf, source, hf.get("hidden_act", "silu"))
     layers = hf["num_hidden_layers"]
     return {
         "family": "hybrid",
@@ -55,16 +95,8 @@ def mamba2_model_section(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "num_layers": layers,
         "hidden_size": hf["hidden_size"],
         "vocab_size": hf["vocab_size"],
-        "mamba_num_heads": hf["num_heads"],
-        "mamba_head_dim": hf["head_dim"],
-        "mamba_num_groups": hf["n_groups"],
-        "mamba_state_dim": hf["state_size"],
-        "mamba_expand": hf["expand"],
-        "mamba_conv_kernel": hf["conv_kernel"],
-        "mamba_chunk_size": hf.get("chunk_size", 256),
-        "normalization": "rmsnorm",
-        "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        **mamba_sizes_section(hf, heads_key="num_heads", head_dim_key="head_dim", state_key="state_size",
+                              chunk_default=256),
     }
 
 
@@ -125,6 +157,9 @@ def check_mamba2_exportable(m) -> None:
     if set(m.hybrid_pattern.replace("|", "")) != {"M"}:
         raise ConfigError(f"model.hybrid_pattern = {m.hybrid_pattern!r}: Mamba2ForCausalLM holds Mamba-2 layers "
                           "only; a pattern with attention, MLP or MoE layers exports as nemotron_h")
+    if m.mamba_dt_min:
+        raise ConfigError(f"model.mamba_dt_min = {m.mamba_dt_min}: Mamba2ForCausalLM does not floor dt "
+                          "(export as nemotron_h, which does, or train with 0)")
     if (m.mamba_num_heads * m.mamba_head_dim) % m.hidden_size:
         raise ConfigError(f"model.mamba_num_heads * mamba_head_dim = {m.mamba_num_heads * m.mamba_head_dim} is not a "
                           f"multiple of hidden_size = {m.hidden_size}: Mamba2Config needs a whole expand factor")
@@ -137,18 +172,8 @@ def mamba2_config(m, dtype: torch.dtype) -> dict[str, Any]:
         "num_hidden_layers": m.num_layers,
         "hidden_size": m.hidden_size,
         "vocab_size": m.vocab_size,
-        "num_heads": m.mamba_num_heads,
-        "head_dim": m.mamba_head_dim,
-        "n_groups": m.mamba_num_groups,
-        "state_size": m.mamba_state_dim,
-        "expand": m.mamba_num_heads * m.mamba_head_dim // m.hidden_size,
-        "conv_kernel": m.mamba_conv_kernel,
-        "chunk_size": m.mamba_chunk_size,
-        "layer_norm_epsilon": m.norm_eps,
-        "use_bias": False,
-        "use_conv_bias": True,
+        **mamba_sizes_config(m, heads_key="num_heads", head_dim_key="head_dim", state_key="state_size"),
         "hidden_act": "silu",
-        "tie_word_embeddings": m.tie_embeddings,
         "residual_in_fp32": True,
         "dtype": str(dtype).removeprefix("torch."),
     }

@@ -26,6 +26,7 @@ def mamba_spec(config: RunConfig, backend: Backend) -> ModuleSpec:
             "state_dim": m.mamba_state_dim,
             "conv_kernel": m.mamba_conv_kernel,
             "chunk_size": m.mamba_chunk_size,
+            "dt_min": m.mamba_dt_min,
             "norm_eps": m.norm_eps,
             "init_std": m.init_std,
             "output_init_std": output_init_std(config),

@@ -53,6 +53,7 @@ class Mamba2Mixer(nn.Module):
         state_dim: int,
         conv_kernel: int,
         chunk_size: int,
+        dt_min: float,
         norm_eps: float,
         init_std: float,
         output_init_std: float,
@@ -65,6 +66,7 @@ class Mamba2Mixer(nn.Module):
         tp = topology.tp
         self.layer_number = layer_number
         self.head_dim, self.state_dim, self.chunk_size = head_dim, state_dim, chunk_size
+        self.dt_min = dt_min
         self.heads_per_group = num_heads // num_groups
         self.local_groups, self.local_heads = num_groups // tp, num_heads // tp
         # per group: [z_g | x_g | B_g | C_g | dt_g]
@@ -105,6 +107,7 @@ class Mamba2Mixer(nn.Module):
         x, B, C = conv_out.split([self.group_widths[0], self.state_dim, self.state_dim], dim=-1)
         x = x.reshape(b, s, self.local_heads, self.head_dim)
         dt = F.softplus(dt.permute(1, 0, 2, 3).reshape(b, s, self.local_heads).float() + self.dt_bias.float())
+        dt = dt.clamp(min=self.dt_min) if self.dt_min > 0 else dt  # [b, s, H_l]
         A = -torch.exp(self.A_log.float())
         y, ssm_state = self._scan(x.float(), dt, A, B.float(), C.float(), states[1] if states is not None else None)
         y = y + self.D.float()[:, None] * x.float()  # the skip connection of each head
