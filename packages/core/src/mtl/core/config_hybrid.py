@@ -82,15 +82,12 @@ def derive_hybrid(m: ModelConfig, p: ParallelConfig) -> None:
 
 
 def check_hybrid(m: ModelConfig, p: ParallelConfig) -> None:
-    """The resolved SSM sizes against the layout: TP splits whole groups of heads."""
+    """The resolved SSM sizes against the layout: TP, and under CP the scan, split whole groups of heads."""
     if m.hybrid_pattern is None or "M" not in m.hybrid_pattern:
         return
     heads, groups = m.mamba_num_heads, m.mamba_num_groups
     if heads % groups:
         raise ConfigError(f"model.mamba_num_heads = {heads} is not divisible by model.mamba_num_groups = {groups}")
-    if heads % (p.tp * p.cp) or groups % p.tp:
-        raise ConfigError(f"parallel.tp*cp = {p.tp}*{p.cp} must divide model.mamba_num_heads = {heads}, and tp "
-                          f"model.mamba_num_groups = {groups} (each rank holds whole groups of SSM heads)")
-    if p.cp > 1:
-        raise ConfigError(f"parallel.cp = {p.cp}: context parallelism of the Mamba-2 layers is not built yet; "
-                          "use cp = 1 with a pattern that has 'M' layers")
+    if heads % (p.tp * p.cp) or groups % (p.tp * p.cp):
+        raise ConfigError(f"parallel.tp*cp = {p.tp}*{p.cp} must divide model.mamba_num_heads = {heads} and "
+                          f"model.mamba_num_groups = {groups} (each rank's conv and scan take whole groups of SSM heads)")

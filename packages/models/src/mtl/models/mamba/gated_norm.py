@@ -20,8 +20,13 @@ class GatedRMSNorm(nn.Module):
         self.weight = tag_init(nn.Parameter(torch.ones(width)), "ones")  # width: this rank's channels
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """y, gate ``[..., width]`` -> ``[..., width]``, computed in fp32, returned in y's dtype."""
-        gated = y.float() * F.silu(gate.float())
-        grouped = gated.unflatten(-1, (-1, self.group_size))  # [..., groups, group_size]
-        normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed.flatten(-2) * self.weight.float()).to(y.dtype)
+        return gated_rms_norm(y, gate, self.weight, self.group_size, self.eps)
+
+
+def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+    """y, gate ``[..., width]`` -> ``[..., width]``, computed in fp32, returned in y's dtype; ``weight``
+    ``[width]`` (all of the norm's, or the share of the groups given)."""
+    gated = y.float() * F.silu(gate.float())
+    grouped = gated.unflatten(-1, (-1, group_size))  # [..., groups, group_size]
+    normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed.flatten(-2) * weight.float()).to(y.dtype)

@@ -28,7 +28,8 @@ from mtl.core.spec import build_module
 from mtl.models.initialization import tag_weights
 from mtl.models.mamba.conv import causal_conv
 from mtl.models.mamba.dispatch import ssd_scan
-from mtl.models.mamba.gated_norm import GatedRMSNorm
+from mtl.models.mamba.context_parallel import to_head_sharded, to_sequence_sharded
+from mtl.models.mamba.gated_norm import GatedRMSNorm, gated_rms_norm
 from mtl.models.mamba.initialization import mark_ssm_init
 from mtl.models.mamba.ssd import ssd_step
 from mtl.parallel.param_layout import set_param_layout
@@ -69,6 +70,8 @@ class Mamba2Mixer(nn.Module):
         self.dt_min = dt_min
         self.heads_per_group = num_heads // num_groups
         self.local_groups, self.local_heads = num_groups // tp, num_heads // tp
+        # context parallelism: the conv and scan of each cp rank take 1/cp of the local groups
+        self.cp, self.cp_rank, self.cp_group = topology.cp, topology.cp_rank, topology.cp_group
         # per group: [z_g | x_g | B_g | C_g | dt_g]
         self.group_widths = (self.heads_per_group * head_dim, self.heads_per_group * head_dim + 2 * state_dim,
                              self.heads_per_group)
@@ -96,26 +99,43 @@ class Mamba2Mixer(nn.Module):
     def forward(self, hidden: torch.Tensor, inference_context=None) -> torch.Tensor:
         """[s(/tp), b, h] -> [s(/tp), b, h]."""
         projected = self.in_proj(hidden)  # [s, b, local_groups * sum(group_widths)]
-        s, b = projected.shape[:2]
-        z, xbc, dt = projected.view(s, b, self.local_groups, -1).split(self.group_widths, dim=-1)
+        projected = projected.view(*projected.shape[:2], self.local_groups, -1)  # [s, b, G_l, sum(widths)]
+        if self.cp > 1:  # [s/cp, b, G_l, *] -> [s, b, G_l/cp, *]: the whole sequence, a share of the heads
+            projected = to_head_sharded(projected, self.cp, self.cp_group)
+        s, b, groups = projected.shape[:3]
+        heads = groups * self.heads_per_group
+        conv_weight, conv_bias, A_log, dt_bias, D, norm_weight = self._cp_share(groups)
+        z, xbc, dt = projected.split(self.group_widths, dim=-1)
         states = self._cached_states(inference_context)
         # [s, b, G_l, x B C] -> [b, channels, s], the convolution's layout
         conv_in = xbc.permute(1, 2, 3, 0).reshape(b, -1, s)
-        conv_out, conv_state = causal_conv(conv_in, self.conv_weight, self.conv_bias,
-                                           states[0] if states is not None else None)
-        conv_out = conv_out.view(b, self.local_groups, -1, s).permute(0, 3, 1, 2)  # [b, s, G_l, x B C]
+        conv_out, conv_state = causal_conv(conv_in, conv_weight, conv_bias, states[0] if states is not None else None)
+        conv_out = conv_out.view(b, groups, -1, s).permute(0, 3, 1, 2)  # [b, s, G_l, x B C]
         x, B, C = conv_out.split([self.group_widths[0], self.state_dim, self.state_dim], dim=-1)
-        x = x.reshape(b, s, self.local_heads, self.head_dim)
-        dt = F.softplus(dt.permute(1, 0, 2, 3).reshape(b, s, self.local_heads).float() + self.dt_bias.float())
+        x = x.reshape(b, s, heads, self.head_dim)
+        dt = F.softplus(dt.permute(1, 0, 2, 3).reshape(b, s, heads).float() + dt_bias.float())
         dt = dt.clamp(min=self.dt_min) if self.dt_min > 0 else dt  # [b, s, H_l]
-        A = -torch.exp(self.A_log.float())
+        A = -torch.exp(A_log.float())
         y, ssm_state = self._scan(x.float(), dt, A, B.float(), C.float(), states[1] if states is not None else None)
-        y = y + self.D.float()[:, None] * x.float()  # the skip connection of each head
+        y = y + D.float()[:, None] * x.float()  # the skip connection of each head
         if inference_context is not None:
             inference_context.recurrent_states[self.layer_number] = (conv_state.detach(), ssm_state.detach())
         y = y.to(hidden.dtype).transpose(0, 1).reshape(s, b, -1)  # [s, b, H_l * P]
         gate = z.reshape(s, b, -1)  # heads in the same order: group-major
-        return self.out_proj(self.norm(y, gate))
+        y = gated_rms_norm(y, gate, norm_weight, self.norm.group_size, self.norm.eps)
+        if self.cp > 1:  # back to this rank's tokens, every local head: [s/cp, b, H_l * P]
+            y = to_sequence_sharded(y.view(s, b, groups, -1), self.cp, self.cp_group).flatten(2)
+        return self.out_proj(y)
+
+    def _cp_share(self, groups: int) -> tuple[torch.Tensor, ...]:
+        """The per-channel and per-head parameters of the ``groups`` groups this rank computes: all
+        local ones, or under cp the cp rank's share (its gradient fills that share; the cp
+        reduction of gradients sums the shares)."""
+        params = (self.conv_weight, self.conv_bias, self.A_log, self.dt_bias, self.D, self.norm.weight)
+        if groups == self.local_groups:
+            return params
+        start = self.cp_rank * groups
+        return tuple(p.view(self.local_groups, -1, *p.shape[1:])[start:start + groups].flatten(0, 1) for p in params)
 
     def _cached_states(self, inference_context) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The (conv, ssm) states this layer left in the context, or None at a sequence's start."""
