@@ -1,5 +1,5 @@
 """The hybrid family (Mamba-2, attention and MLP layers) through ``mtl.train.loop.train`` trains
-like one process: pp2 cut by the pattern's '|' (losses within 1e-5 relative, gradients); tp2 x pp2
+like one process: pp2 cut by the pattern's '|' with cp2 (losses within 1e-5 relative, gradients); tp2 x pp2
 (stages split by FLOPs) saves at step 3, and dp2 with the distributed optimizer resumes it, steps
 1-3 and 4-6 equal to one process's. (tp2 with and without sequence parallelism, gradients
 included: packages/models/tests/test_hybrid_tensor_parallel.py.) Few launches: each costs seconds."""
@@ -29,12 +29,13 @@ def reference():
     return result
 
 
-def test_pipeline_cut_by_the_pattern_trains_like_one_process(reference):
-    results = run_distributed(run_tiny, 2, args=([*HYBRID, "train.iters=6", "parallel.pp=2",
+def test_pipeline_cut_by_the_pattern_and_context_parallel_train_like_one_process(reference):
+    """pp2 cut by '|' x cp2 (the mixers' all-to-all around conv and scan, the attention's ring)."""
+    results = run_distributed(run_tiny, 4, args=([*HYBRID, "train.iters=6", "parallel.pp=2", "parallel.cp=2",
                                                   "model.hybrid_pattern='M*|M-'"],))
-    compare_with_reference("pp2 cut by the pattern", results, reference)
+    compare_with_reference("pp2 cut by the pattern x cp2", results, reference)
     held = [sorted({int(n.split(".")[1]) for n in r["grads"] if n.startswith("layers.")}) for r in results]
-    assert held == [[0, 1], [2, 3]], held  # M* on the first stage, M- on the last
+    assert held == [[0, 1], [0, 1], [2, 3], [2, 3]], held  # M* on the first stage, M- on the last
 
 
 def test_tp2_pp2_saves_and_dp2_distributed_optimizer_resumes(tmp_path, reference):
