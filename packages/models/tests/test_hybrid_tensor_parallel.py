@@ -1,4 +1,4 @@
-"""A hybrid model (Mamba-2, attention, MLP layers) at tp=2, with and without sequence parallelism,
+"""A hybrid model (Mamba-2, attention, MLP and MoE layers) at tp=2, with and without sequence parallelism,
 equals one process: initial global weights bit for bit, loss and gathered gradients within 1e-5."""
 
 import torch
@@ -30,15 +30,21 @@ def tp_worker(configs):
     return {run: loss_and_grads(config) for run, config in configs.items()}
 
 
+MOE = {"hybrid_pattern": "M*E-", "num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 16}
+
+
 def test_tp2_and_sequence_parallel_equal_one_process(make_hybrid_config):
-    hybrid_config = make_hybrid_config
-    configs = {sp: hybrid_config(2, parallel={"tp": 2, "sequence_parallel": sp}) for sp in (False, True)}
-    ref_loss, ref_init, ref_grads = loss_and_grads(hybrid_config())
-    assert any(name.endswith("mixer.in_proj.weight") for name in ref_init)
+    """M*M- without and with sequence parallelism, and M*E- (an MoE layer) with it, in one launch."""
+    runs = {"sp=False": ({}, False), "sp=True": ({}, True), "moe sp=True": (MOE, True)}
+    configs = {run: make_hybrid_config(2, model=model, parallel={"tp": 2, "sequence_parallel": sp})
+               for run, (model, sp) in runs.items()}
+    references = {run: loss_and_grads(make_hybrid_config(model=model)) for run, (model, _) in runs.items()}
+    assert any(name.endswith("mixer.in_proj.weight") for name in references["sp=False"][1])
     for rank_result in run_distributed(tp_worker, 2, (configs,)):
-        for sp, (loss, init, grads) in rank_result.items():
+        for run, (loss, init, grads) in rank_result.items():
+            ref_loss, ref_init, ref_grads = references[run]
             torch.testing.assert_close(loss, ref_loss, rtol=TOL, atol=TOL)
             assert init.keys() == ref_init.keys()
             for name in ref_init:
-                assert torch.equal(init[name], ref_init[name]), (sp, name)
-                torch.testing.assert_close(grads[name], ref_grads[name], rtol=TOL, atol=TOL, msg=f"sp={sp} {name}")
+                assert torch.equal(init[name], ref_init[name]), (run, name)
+                torch.testing.assert_close(grads[name], ref_grads[name], rtol=TOL, atol=TOL, msg=f"{run} {name}")
