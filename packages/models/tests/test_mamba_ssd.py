@@ -40,7 +40,7 @@ def test_scan_continues_from_a_state():
 
 
 def test_chunked_scan_gradients_pass_gradcheck():
-    inputs = [t.requires_grad_() for t in scan_inputs(batch=1, length=5, heads=2, head_dim=2, groups=1, state=3)]
+    inputs = [t.requires_grad_() for t in scan_inputs(batch=1, length=5, heads=2, head_dim=2, groups=1, state=2)]
 
     def scan(x, dt, A, B, C, initial):
         y, state = ssd_chunked(x, dt, A, B, C, chunk_size=2, initial_state=initial)
