@@ -31,11 +31,14 @@ def tp_worker(configs):
 
 
 MOE = {"hybrid_pattern": "M*E-", "num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 16}
+NEMOTRON_H_STYLE = {"activation": "relu2", "position_embedding": "none", "mamba_dt_min": 0.01}
 
 
 def test_tp2_and_sequence_parallel_equal_one_process(make_hybrid_config):
-    """M*M- without and with sequence parallelism, and M*E- (an MoE layer) with it, in one launch."""
-    runs = {"sp=False": ({}, False), "sp=True": ({}, True), "moe sp=True": (MOE, True)}
+    """M*M- without and with sequence parallelism, M*E- (an MoE layer) and Nemotron-H's style (squared-ReLU
+    MLP, attention without positions, a dt floor) with it, in one launch."""
+    runs = {"sp=False": ({}, False), "sp=True": ({}, True), "moe sp=True": (MOE, True),
+            "nemotron-h style sp=True": (NEMOTRON_H_STYLE, True)}
     configs = {run: make_hybrid_config(2, model=model, parallel={"tp": 2, "sequence_parallel": sp})
                for run, (model, sp) in runs.items()}
     references = {run: loss_and_grads(make_hybrid_config(model=model)) for run, (model, _) in runs.items()}
@@ -48,3 +51,11 @@ def test_tp2_and_sequence_parallel_equal_one_process(make_hybrid_config):
             for name in ref_init:
                 assert torch.equal(init[name], ref_init[name]), (run, name)
                 torch.testing.assert_close(grads[name], ref_grads[name], rtol=TOL, atol=TOL, msg=f"{run} {name}")
+
+
+def test_full_recompute_gives_the_same_loss_and_gradients(make_hybrid_config):
+    ref_loss, _, ref_grads = loss_and_grads(make_hybrid_config())
+    loss, _, grads = loss_and_grads(make_hybrid_config(train={"recompute": "full"}))
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref, rtol=TOL, atol=TOL, msg=name)
