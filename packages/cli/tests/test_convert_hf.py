@@ -1,5 +1,6 @@
 """``mtl convert`` both ways, at any layout, and ``mtl generate`` on the result, against tiny
-random GPT-2, Llama, Mistral and Qwen2 models built locally with transformers (nothing downloaded)."""
+random GPT-2, Llama, Mistral, Qwen2, Mamba2 and Nemotron-H models built locally with transformers
+(nothing downloaded)."""
 
 import json
 import shutil
@@ -24,6 +25,15 @@ ARCHS = {  # name -> (config class, model class, fields)
     "llama": ("LlamaConfig", "LlamaForCausalLM", LLAMA_FIELDS),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(LLAMA_FIELDS, sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(LLAMA_FIELDS, tie_word_embeddings=True)),
+    # the hybrid family's converter: `mtl convert --from hf` picks the family by config.json's model_type
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", dict(hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16,
+                                                         n_groups=2, state_size=8, chunk_size=8, bos_token_id=0,
+                                                         eos_token_id=0, pad_token_id=0, initializer_range=0.2)),
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        hidden_size=32, num_hidden_layers=3, layers_block_type=["linear_attention", "full_attention", "mlp"],
+        mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=8, chunk_size=8, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, intermediate_size=48, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        initializer_range=0.2)),
 }
 
 

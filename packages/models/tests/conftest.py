@@ -30,8 +30,14 @@ STYLES = {"gpt2": GPT2_STYLE, "llama": LLAMA_STYLE}
 def tiny_config(style: str, world_size: int = 1, vocab_size: int = 100, **sections) -> RunConfig:
     """A resolved config of a 2-layer, 32-wide model of ``style``; ``sections`` maps a section
     name to extra overrides (``model={"qk_norm": False}``)."""
+    model = dict(STYLES[style], num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+    return resolved_config(model, world_size, vocab_size, sections)
+
+
+def resolved_config(model: dict, world_size: int, vocab_size: int, sections: dict) -> RunConfig:
+    """``model`` as the model section, updated by ``sections`` (section name -> overrides), resolved."""
     config = RunConfig()
-    overrides = {"model": dict(STYLES[style], num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)}
+    overrides = {"model": dict(model)}
     for section, values in sections.items():
         overrides.setdefault(section, {}).update(values)
     for section, values in overrides.items():
@@ -58,3 +64,30 @@ def single():
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
+
+
+# The hybrid family's tests: a tiny model with every layer kind, 4 SSM heads in 2 groups.
+HYBRID_MODEL = {
+    "family": "hybrid",
+    "hybrid_pattern": "M*M-",
+    "num_layers": 4,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "seq_length": 16,
+    "mamba_head_dim": 16,
+    "mamba_num_groups": 2,
+    "mamba_state_dim": 8,
+    "mamba_chunk_size": 8,
+    "tie_embeddings": False,
+}
+
+
+def hybrid_config(world_size: int = 1, vocab_size: int = 100, **sections) -> RunConfig:
+    """Resolved; ``sections`` maps a section name to overrides (``parallel={"tp": 2}``)."""
+    return resolved_config(HYBRID_MODEL, world_size, vocab_size, sections)
+
+
+@pytest.fixture
+def make_hybrid_config():
+    return hybrid_config

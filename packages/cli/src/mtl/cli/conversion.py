@@ -56,18 +56,34 @@ def converter_formats() -> dict[str, list[str]]:
     return formats
 
 
-def _family_for(fmt: str, family: str | None) -> str:
+def _family_for(fmt: str, family: str | None, src_dir: Path | None = None) -> str:
     formats = converter_formats()
     if fmt not in formats:
         known = ", ".join(sorted(formats)) or "none"
         raise ConfigError(f"no model family registers a '{fmt}' converter (installed converters: {known})")
     if family is None:
-        if len(formats[fmt]) > 1:
+        if len(formats[fmt]) > 1 and src_dir is not None:
+            family = _family_reading(fmt, formats[fmt], src_dir)
+        if family is None and len(formats[fmt]) > 1:
             raise ConfigError(f"model families {', '.join(formats[fmt])} all have a '{fmt}' converter; pick one with --family")
-        return formats[fmt][0]
+        return family or formats[fmt][0]
     if family not in formats[fmt]:
         raise ConfigError(f"model family '{family}' has no '{fmt}' converter (families with one: {', '.join(formats[fmt])})")
     return family
+
+
+def _family_reading(fmt: str, families: list[str], src_dir: Path) -> str | None:
+    """The one family whose ``fmt`` converter lists the source's ``model_type`` (config.json) among
+    its ``architectures`` (gpt's converter reads llama, the hybrid family's mamba2); None if not one."""
+    config_path = src_dir / "config.json"
+    if not config_path.is_file():
+        return None
+    try:
+        model_type = json.loads(config_path.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    readers = [f for f in families if model_type in getattr(_converter(f, fmt), "architectures", ())]
+    return readers[0] if len(readers) == 1 else None
 
 
 def _converter(family: str, fmt: str):
@@ -215,7 +231,7 @@ def to_mtl(src: str, dst: str, *, src_format: str = "hf", family: str | None = N
     src_dir, dst_dir = Path(src), Path(dst)
     if not src_dir.exists():
         raise CheckpointError(f"{src_dir} does not exist: give the {src_format} checkpoint directory to convert")
-    family = _family_for(src_format, family)
+    family = _family_for(src_format, family, src_dir)
     converter = _converter(family, src_format)
     tokenizer_folder = _tokenizer_folder(src_dir, tokenizer_dir)
     tokenizer = _detect_tokenizer(tokenizer_folder)

@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any
 
 from mtl.core.config_feature_checks import check_features
+from mtl.core.config_hybrid import check_hybrid, check_hybrid_values
 from mtl.core.config_pipeline import check_flops_split, pipeline_layer_split
 from mtl.core.config_sections import CHOICES, SECTIONS, ModelConfig, ParallelConfig, TrainConfig
 from mtl.core.errors import ConfigError
@@ -40,6 +41,7 @@ def check_values(cfg: Any) -> None:
             raise ConfigError(f"model.{name} = {getattr(m, name)} must be at least 1")
     if m.moe_layer_freq < 1:
         raise ConfigError(f"model.moe_layer_freq = {m.moe_layer_freq} must be at least 1")
+    check_hybrid_values(m, p)
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ConfigError("train.micro_batch_size and train.global_batch_size must be at least 1")
 
@@ -51,6 +53,7 @@ def check(cfg: Any, tokenizer_vocab_size: int | None) -> None:
     _check_layout(p, m)
     _check_model(m, p, tokenizer_vocab_size)
     _check_moe(m, p)
+    check_hybrid(m, p)
     _check_train(t, p)
     check_features(cfg)
 
@@ -144,6 +147,9 @@ def _check_model(m: ModelConfig, p: ParallelConfig, tokenizer_vocab_size: int | 
         raise ConfigError(
             f"model.ffn_hidden_size = {m.ffn_hidden_size} is not divisible by parallel.tp = {p.tp}"
         )
+    if m.activation == "relu2" and (m.num_experts or m.backend == "te"):
+        raise ConfigError(f"model.activation = 'relu2' is built by the local backend's dense MLP only (here "
+                          f"model.num_experts = {m.num_experts}, model.backend = {m.backend!r}); use gelu or swiglu")
     if m.seq_length > m.max_position_embeddings and m.position_embedding == "learned":
         raise ConfigError(
             f"model.seq_length = {m.seq_length} exceeds model.max_position_embeddings = "

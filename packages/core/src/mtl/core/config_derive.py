@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from mtl.core.config_hybrid import derive_hybrid
 from mtl.core.config_pipeline import default_pipeline_split
 from mtl.core.config_sections import ModelConfig, ParallelConfig, TrainConfig
 from mtl.core.device_probe import runs_on_cuda
@@ -25,6 +26,7 @@ def derive(cfg: Any, world_size: int, tokenizer_vocab_size: int | None) -> None:
     layout sizes the data-parallel group, which sizes the micro-batches; the backend's FP8 may
     turn compile off, which picks how cp ranks share keys and values."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
+    derive_hybrid(m, p)  # before the layout: its '|' cuts give the pipeline stages' layers
     _derive_layout(p, m, world_size)
     _derive_model(m, p, tokenizer_vocab_size)
     _derive_moe(m)

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.normalization": ("layernorm", "rmsnorm"),
-    "model.activation": ("gelu", "swiglu"),
-    "model.position_embedding": ("learned", "rope"),
+    "model.activation": ("gelu", "swiglu", "relu2"),
+    "model.position_embedding": ("learned", "rope", "none"),
     "model.rope_scaling": ("none", "llama3"),
     "model.moe_router": ("softmax", "sigmoid"),
     "train.lr_schedule": ("constant", "linear", "cosine", "wsd"),
@@ -50,7 +50,10 @@ class ModelConfig:
     max_position_embeddings: int | None = None  # derived: seq_length
     normalization: str = "rmsnorm"
     norm_eps: float = 1e-5
+    # the MLP's: "swiglu" (gated, Llama), "gelu" (GPT-2), "relu2" (squared ReLU, Nemotron-H's dense MLP)
     activation: str = "swiglu"
+    # "rope" (rotary), "learned" (a table of max_position_embeddings), "none" (no positions: Nemotron-H's
+    # attention, where the Mamba layers carry the order)
     position_embedding: str = "rope"
     bias: bool = False
     qkv_bias: bool = False  # biases on the query/key/value projection only (Qwen2); `bias` sets all
@@ -82,6 +85,21 @@ class ModelConfig:
     moe_layer_freq: int = 1  # every Nth layer is MoE, from layer 0 (Megatron's int --moe-layer-freq)
     # derived: the global layer numbers whose MLP is MoE, from moe_layer_freq; set it to list them yourself
     moe_layers: list | None = None
+    # hybrid family (Megatron's hybrid / Nemotron-H): one symbol per layer, Megatron's: "M" a Mamba-2
+    # mixer, "*" self-attention, "-" an MLP, "E" an MoE MLP (model.num_experts); each is a pre-norm
+    # residual layer. "|" cuts pipeline stages (pp * vpp - 1 of them); without any, pp > 1 splits by
+    # FLOPs. Its length (without "|") must be model.num_layers. Unset: not a hybrid model.
+    hybrid_pattern: str | None = None
+    mamba_state_dim: int = 128  # N: the size of each SSM head's state per channel (Megatron's default)
+    mamba_head_dim: int = 64  # P: channels per SSM head
+    mamba_num_groups: int = 8  # G: groups of heads sharing B and C; TP splits whole groups
+    mamba_expand: int = 2  # the mixer's inner width is mamba_expand * hidden_size
+    mamba_num_heads: int | None = None  # derived: mamba_expand * hidden_size // mamba_head_dim
+    mamba_conv_kernel: int = 4  # width of the depthwise causal convolution over x, B and C
+    mamba_chunk_size: int = 128  # positions per chunk of the SSD scan (speed only: same numbers)
+    # the smallest step the scan takes: dt = max(softplus(dt + dt_bias), mamba_dt_min). 0: no floor
+    # (Megatron, Mamba2); Nemotron-H's HF model floors it at its time_step_min (0.001)
+    mamba_dt_min: float = 0.0
 
 
 @dataclass

@@ -9,6 +9,7 @@ from mtl.models.convert_hf import HFConverter
 from mtl.models.convert_megatron import MegatronConverter
 from mtl.models.gpt.family import gpt_like_family
 from mtl.models.gpt.layer_spec import layer_spec
+from mtl.models.hybrid.family import hybrid_family
 
 GPT_FAMILY = gpt_like_family(
     "gpt",
@@ -21,3 +22,11 @@ GPT_FAMILY = gpt_like_family(
 @hookimpl
 def mtl_model_families() -> list[ModelFamily]:
     return [GPT_FAMILY]
+
+
+HYBRID_FAMILY = hybrid_family()
+
+
+@hookimpl(specname="mtl_model_families")
+def hybrid_model_families() -> list[ModelFamily]:
+    return [HYBRID_FAMILY]

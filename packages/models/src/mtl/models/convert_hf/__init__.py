@@ -96,19 +96,26 @@ def default_architecture(m) -> str:
 
 
 class HFConverter:
-    """The ``hf`` converter of the ``gpt`` model family."""
+    """The ``hf`` converter of the ``gpt`` model family; another family passes its own
+    ``by_type`` (``model_type`` -> ``HFArchitecture``), which of them hold experts, and how it
+    picks an architecture to export to (the hybrid family's, ``mtl.models.hybrid.hf_converter``)."""
 
-    architectures = tuple(ARCHITECTURES)
+    def __init__(self, by_type: dict[str, HFArchitecture] | None = None,
+                 moe_types: tuple[str, ...] = MOE_ARCHITECTURES,
+                 default: Callable[[Any], str] = default_architecture):
+        self.by_type = by_type if by_type is not None else ARCHITECTURES
+        self.architectures = tuple(self.by_type)
+        self.moe_types, self.default = moe_types, default
 
     def stream_to_mtl(self, hf_dir: str | Path) -> tuple[dict[str, Any], TensorStream]:
         hf_config = read_hf_config(hf_dir)
         source = str(Path(hf_dir) / "config.json")
         model_type = hf_config.get("model_type")
-        if model_type not in ARCHITECTURES:
+        if model_type not in self.by_type:
             raise ConfigError(
-                f"{source}: model_type = {model_type!r} is not convertible; supported: {', '.join(ARCHITECTURES)}"
+                f"{source}: model_type = {model_type!r} is not convertible; supported: {', '.join(self.by_type)}"
             )
-        arch = ARCHITECTURES[model_type]
+        arch = self.by_type[model_type]
         section = arch.section(hf_config, source)
         reader = SafetensorsReader(hf_dir)
         convert = partial(arch.to_mtl, section)
@@ -125,14 +132,14 @@ class HFConverter:
     def from_mtl(self, model_config, state: dict[str, torch.Tensor] | TensorSource, dst_dir: str | Path, *,
                  architecture: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
         """Write ``dst_dir/config.json`` and the safetensors files; returns the latter's names."""
-        model_type = architecture or default_architecture(model_config)
-        if model_type not in ARCHITECTURES:
-            raise ConfigError(f"Hugging Face architecture {model_type!r} is not supported; use one of {', '.join(ARCHITECTURES)}")
-        arch = ARCHITECTURES[model_type]
-        if getattr(model_config, "num_experts", 0) and model_type not in MOE_ARCHITECTURES:
+        model_type = architecture or self.default(model_config)
+        if model_type not in self.by_type:
+            raise ConfigError(f"Hugging Face architecture {model_type!r} is not supported; use one of {', '.join(self.by_type)}")
+        arch = self.by_type[model_type]
+        if self.moe_types and getattr(model_config, "num_experts", 0) and model_type not in self.moe_types:
             raise ConfigError(
                 f"Hugging Face architecture {model_type!r} has dense MLPs only, and this model has experts "
-                f"(model.num_experts = {model_config.num_experts}): export it as one of {', '.join(MOE_ARCHITECTURES)}"
+                f"(model.num_experts = {model_config.num_experts}): export it as one of {', '.join(self.moe_types)}"
             )
         arch.check_exportable(model_config)
         tensors = stream(partial(arch.from_mtl, model_config), as_source(state), description="the mtl state")

@@ -27,24 +27,38 @@ def layer_flops_per_iteration(cfg: RunConfig) -> list[float]:
     the LM head's): what a pipeline stage holding those layers computes."""
     m, t = cfg.model, cfg.train
     assert cfg.resolved, "resolve the config first"
+    tokens = t.global_batch_size * m.seq_length
+    attention, dense_mlp = attention_flops_per_token(m), dense_mlp_flops_per_token(m)
+    moe_mlp = moe_mlp_flops_per_token(m) if m.moe_layers else 0
+    moe_layers = set(m.moe_layers or [])
+    return [3.0 * tokens * (attention + (moe_mlp if i in moe_layers else dense_mlp)) for i in range(m.num_layers)]
+
+
+def attention_flops_per_token(m) -> float:
+    """Forward FLOPs of one attention block per token (``m``: the resolved model section)."""
     h, s = m.hidden_size, m.seq_length
-    tokens = t.global_batch_size * s
     q_width = m.num_attention_heads * m.head_dim
     kv_width = m.num_query_groups * m.head_dim
-    gated = 2 if m.activation == "swiglu" else 1
-    attention = (
+    return (
         2 * h * (q_width + 2 * kv_width)  # QKV projection
         + 2 * q_width * s  # QK^T and attention-weighted V: 4*q*s, halved for the causal mask
         + 2 * q_width * h  # output projection
     )
-    dense_mlp = 2 * h * m.ffn_hidden_size * (gated + 1)  # MLP in (gated: two) and out
-    # An MoE layer counts the FLOPs of its active parameters (Megatron's convention): the
-    # router, the top-k experts each token goes to, and the shared expert.
-    moe_mlp = (2 * h * m.num_experts
-               + m.moe_top_k * 2 * h * m.moe_ffn_hidden_size * (gated + 1)
-               + 2 * h * m.moe_shared_expert_ffn_hidden_size * (gated + 1)) if m.moe_layers else 0
-    moe_layers = set(m.moe_layers or [])
-    return [3.0 * tokens * (attention + (moe_mlp if i in moe_layers else dense_mlp)) for i in range(m.num_layers)]
+
+
+def dense_mlp_flops_per_token(m) -> float:
+    """Forward FLOPs of the dense MLP per token: in (gated: two matrices) and out."""
+    gated = 2 if m.activation == "swiglu" else 1
+    return 2 * m.hidden_size * m.ffn_hidden_size * (gated + 1)
+
+
+def moe_mlp_flops_per_token(m) -> float:
+    """An MoE layer counts the FLOPs of its active parameters (Megatron's convention): the
+    router, the top-k experts each token goes to, and the shared expert."""
+    h, gated = m.hidden_size, 2 if m.activation == "swiglu" else 1
+    return (2 * h * m.num_experts
+            + m.moe_top_k * 2 * h * m.moe_ffn_hidden_size * (gated + 1)
+            + 2 * h * m.moe_shared_expert_ffn_hidden_size * (gated + 1))
 
 
 def activation_bytes_per_layer(cfg: RunConfig) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mtl.core.errors import ConfigError
@@ -20,6 +22,9 @@ class InferenceContext:
         self.sequence_offset = 0
         self._keys: dict[int, torch.Tensor] = {}  # layer number -> [b, max_s, groups, d]
         self._values: dict[int, torch.Tensor] = {}
+        # what a recurrent layer (a Mamba-2 mixer) carries from one forward to the next, by its
+        # layer number: its own tuple of per-sequence states, replaced after each call
+        self.recurrent_states: dict[int, Any] = {}
 
     def append(self, layer_number: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store key/value [b, s, groups, d] after the cached tokens; return all of them
@@ -47,3 +52,4 @@ class InferenceContext:
         self.sequence_offset = 0
         self._keys.clear()
         self._values.clear()
+        self.recurrent_states.clear()

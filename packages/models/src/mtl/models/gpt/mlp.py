@@ -3,7 +3,7 @@
 GELU (GPT-2 style): ``fc2(gelu(fc1(x)))`` with fc1 ``[ffn, h]``. SwiGLU (Llama style):
 fc1 fuses gate and up projections, ``[2 * ffn, h]`` globally, and each TP rank holds
 ``[gate_local; up_local]`` (``stride = 2``, recorded as ``ParamLayout.tp_stride = 2``);
-``fc2(silu(gate) * up)``.
+``fc2(silu(gate) * up)``. Squared ReLU (Nemotron-H): ``fc2(relu(fc1(x))²)``, fc1 ``[ffn, h]``.
 
 ``norm``: the layer's pre-MLP norm, given when fc1 is the backend's fused norm + column
 linear (it applies the norm; the layer passes the un-normalised hidden states).
@@ -47,6 +47,7 @@ class MLP(nn.Module):
     ):
         super().__init__()
         self.gated = activation == "swiglu"
+        self.activation = activation
         fc1_width = 2 * ffn_hidden_size if self.gated else ffn_hidden_size
         self.linear_fc1 = build_module(
             submodules.linear_fc1,
@@ -81,6 +82,8 @@ class MLP(nn.Module):
         intermediate = self.linear_fc1(hidden)  # [s, b, fc1_width / tp]
         if self.gated:  # [gate | up], each [s, b, ffn / tp]; a backward that reads them once
             intermediate = swiglu(intermediate)
+        elif self.activation == "relu2":  # squared ReLU (Nemotron-H)
+            intermediate = F.relu(intermediate).square()
         else:
             intermediate = F.gelu(intermediate)
         return self.linear_fc2(intermediate)

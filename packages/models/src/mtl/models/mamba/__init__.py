@@ -1,0 +1,1 @@
+"""Mamba-2: the SSD scan (``ssd.py``, kernel choice in ``dispatch.py``) and the mixer layer."""
