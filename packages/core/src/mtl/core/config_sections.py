@@ -16,6 +16,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.position_embedding": ("learned", "rope"),
     "model.rope_scaling": ("none", "llama3"),
     "model.moe_router": ("softmax", "sigmoid"),
+    "model.norm_position": ("pre", "post"),
     "train.lr_schedule": ("constant", "linear", "cosine", "wsd"),
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.recompute": ("none", "selective", "full"),
@@ -81,6 +82,16 @@ class ModelConfig:
     moe_layer_freq: int = 1  # every Nth layer is MoE, from layer 0 (Megatron's int --moe-layer-freq)
     # derived: the global layer numbers whose MLP is MoE, from moe_layer_freq; set it to list them yourself
     moe_layers: list | None = None
+    # Encoder families (bert). Where each layer's norms sit: "pre" normalises each branch's
+    # input and adds a final norm (Megatron's BERT, every gpt model); "post" normalises after
+    # each residual add and once after the embeddings, with no final norm (original BERT, RoBERTa:
+    # what Hugging Face checkpoints hold). The gpt family is pre-norm only.
+    norm_position: str = "pre"
+    type_vocab_size: int = 0  # bert: rows of the token-type (segment) embedding (BERT 2, RoBERTa 1; 0: none)
+    # bert: learned position ids start here (RoBERTa counts positions from padding_idx + 1 = 2,
+    # so its table has two rows before the first position); the table holds max_position_embeddings + offset rows
+    position_offset: int = 0
+    binary_head: bool = False  # bert: a pooler on the first token and a 2-way head (NSP / sentence order), trained on is_random
 
 
 @dataclass

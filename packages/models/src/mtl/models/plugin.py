@@ -1,10 +1,11 @@
-"""Registers the ``gpt`` model family through the ``mtl_model_families`` hook
+"""Registers the ``gpt`` and ``bert`` model families through the ``mtl_model_families`` hook
 (entry point ``gpt_family``)."""
 
 from __future__ import annotations
 
 from mtl.core.hookspecs import hookimpl
 from mtl.core.registrations import ModelFamily
+from mtl.models.bert.family import BERT_FAMILY
 from mtl.models.convert_hf import HFConverter
 from mtl.models.convert_megatron import MegatronConverter
 from mtl.models.gpt.family import gpt_like_family
@@ -20,4 +21,4 @@ GPT_FAMILY = gpt_like_family(
 
 @hookimpl
 def mtl_model_families() -> list[ModelFamily]:
-    return [GPT_FAMILY]
+    return [GPT_FAMILY, BERT_FAMILY]

@@ -96,19 +96,24 @@ def default_architecture(m) -> str:
 
 
 class HFConverter:
-    """The ``hf`` converter of the ``gpt`` model family."""
+    """The ``hf`` converter of a model family: gpt's by default; another family passes its own
+    table of architectures and the rule that picks one for export (``convert_hf/bert.py``)."""
 
-    architectures = tuple(ARCHITECTURES)
+    def __init__(self, architectures: dict[str, HFArchitecture] | None = None,
+                 default: Callable[[Any], str] = default_architecture):
+        self.table = ARCHITECTURES if architectures is None else architectures
+        self.architectures = tuple(self.table)
+        self.default = default
 
     def stream_to_mtl(self, hf_dir: str | Path) -> tuple[dict[str, Any], TensorStream]:
         hf_config = read_hf_config(hf_dir)
         source = str(Path(hf_dir) / "config.json")
         model_type = hf_config.get("model_type")
-        if model_type not in ARCHITECTURES:
+        if model_type not in self.table:
             raise ConfigError(
-                f"{source}: model_type = {model_type!r} is not convertible; supported: {', '.join(ARCHITECTURES)}"
+                f"{source}: model_type = {model_type!r} is not convertible; supported: {', '.join(self.table)}"
             )
-        arch = ARCHITECTURES[model_type]
+        arch = self.table[model_type]
         section = arch.section(hf_config, source)
         reader = SafetensorsReader(hf_dir)
         convert = partial(arch.to_mtl, section)
@@ -125,10 +130,10 @@ class HFConverter:
     def from_mtl(self, model_config, state: dict[str, torch.Tensor] | TensorSource, dst_dir: str | Path, *,
                  architecture: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
         """Write ``dst_dir/config.json`` and the safetensors files; returns the latter's names."""
-        model_type = architecture or default_architecture(model_config)
-        if model_type not in ARCHITECTURES:
-            raise ConfigError(f"Hugging Face architecture {model_type!r} is not supported; use one of {', '.join(ARCHITECTURES)}")
-        arch = ARCHITECTURES[model_type]
+        model_type = architecture or self.default(model_config)
+        if model_type not in self.table:
+            raise ConfigError(f"Hugging Face architecture {model_type!r} is not supported; use one of {', '.join(self.table)}")
+        arch = self.table[model_type]
         if getattr(model_config, "num_experts", 0) and model_type not in MOE_ARCHITECTURES:
             raise ConfigError(
                 f"Hugging Face architecture {model_type!r} has dense MLPs only, and this model has experts "
