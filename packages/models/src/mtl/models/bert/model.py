@@ -110,13 +110,24 @@ class EncoderModel(nn.Module):
             raise ConfigError("a later pipeline stage needs set_input_tensor(hidden [s, b, h]) before forward")
         else:
             hidden = self.input_tensor
-        # one host read per micro-batch: without padding the backend's own attention runs
-        mask = None if padding_mask is None or bool((padding_mask == 1).all()) else padding_mask == 1
+        mask = self._attention_mask(padding_mask)
         for layer in self.layers.values():
             hidden = layer(hidden, mask)
         if not self.post_process:
             return hidden
         return self._heads(hidden, labels, binary_labels)
+
+    def _attention_mask(self, padding_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """[b, s(/cp)] bool (True: a real token), or None where no key is padding: one host read
+        per micro-batch, and without padding the backend's own attention runs. Under context
+        parallelism every cp rank must take the same path (the masked one gathers over them), and a
+        rank's chunks alone cannot say whether the others hold padding: the mask is always kept."""
+        if padding_mask is None:
+            return None
+        real = padding_mask == 1
+        if self.topology.cp == 1 and bool(real.all()):
+            return None
+        return real
 
     def _heads(self, hidden: torch.Tensor, labels, binary_labels):
         if self.config.model.norm_position == "pre":
