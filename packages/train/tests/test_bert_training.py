@@ -15,7 +15,7 @@ from mtl.core import plugins
 from mtl.core.hookspecs import hookimpl
 from mtl.core.registrations import DatasetSpec
 from mtl.parallel.testing import run_distributed
-from mtl.train.testing import compare_with_reference, run_tiny
+from mtl.train.testing import LOSS_RTOL, StepWatcher, compare_with_reference, run_tiny
 
 # Until mtl-data's ``bert`` dataset is merged: a WordPiece tokenizer.json of BERT's real size and
 # a dataset ``bert_test_samples`` whose samples carry BERTMaskedWordPieceDataset's fields and
@@ -94,8 +94,14 @@ LAYOUTS = {
 
 
 def bert_run(overrides, tokenizer):
+    """run_tiny's result, plus the metrics each logged step reported (on the logging rank)."""
     plugins.register_plugin(PLUGIN, name="bert-test-samples")
-    return run_tiny([*BERT, f"data.tokenizer_model='{tokenizer}'", *overrides])
+    with_grads = not any(o.startswith("train.iters") for o in overrides)  # the resume runs need losses only
+    logged = {}
+    with StepWatcher("bert-metrics", lambda step, metrics: logged.update({step: dict(metrics)})):
+        watch = ["logging.callbacks=['bert-metrics']", "logging.interval=1"]
+        result = run_tiny([*BERT, f"data.tokenizer_model='{tokenizer}'", *overrides, *watch], with_grads)
+    return {**result, "logged": logged}
 
 
 @pytest.fixture(scope="module")
@@ -107,10 +113,30 @@ def tokenizer(tmp_path_factory):
 def reference(tokenizer):
     (result,) = run_distributed(bert_run, 1, args=([], tokenizer))
     assert len(result["losses"]) == 3 and all(math.isfinite(v) for v in result["losses"].values())
+    for step, metrics in result["logged"].items():  # the loss is the MLM loss plus the binary head's
+        assert 0.0 <= metrics["mlm_accuracy"] <= 1.0
+        assert metrics["loss"] == pytest.approx(metrics["mlm_loss"] + metrics["binary_loss"], rel=1e-6)
     return result
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_bert_layout_matches_single_process(layout, reference, tokenizer):
     world, overrides = LAYOUTS[layout]
-    compare_with_reference(layout, run_distributed(bert_run, world, args=(overrides, tokenizer)), reference)
+    results = run_distributed(bert_run, world, args=(overrides, tokenizer))
+    compare_with_reference(layout, results, reference)
+    logged = next(r["logged"] for r in results if r["logged"])
+    for step, metrics in reference["logged"].items():  # the accuracy over the TP-split vocabulary, cp-split tokens
+        assert logged[step]["mlm_accuracy"] == pytest.approx(metrics["mlm_accuracy"], abs=1e-6), (layout, step)
+
+
+def test_bert_saved_at_tp2_sp_resumes_at_pp2(tokenizer, tmp_path):
+    """Steps 4-6 resumed at pp2 from a tp2+sp checkpoint of step 3 equal a straight 6-step run."""
+    six = ["train.iters=6"]
+    (straight,) = run_distributed(bert_run, 1, args=(six, tokenizer))
+    ckpt = f"ckpt.save='{tmp_path / 'ckpt'}'"
+    run_distributed(bert_run, 2, args=([*six, *LAYOUTS["tp2_sp"][1], ckpt, "train.exit_interval=3"], tokenizer))
+    resumed = run_distributed(bert_run, 2, args=([*six, *LAYOUTS["pp2"][1], ckpt], tokenizer))
+    losses = next(r["losses"] for r in resumed if r["last_stage"])
+    assert sorted(losses) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert abs(losses[step] - straight["losses"][step]) <= LOSS_RTOL * abs(straight["losses"][step])
