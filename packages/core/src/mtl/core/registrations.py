@@ -161,6 +161,9 @@ class ModelFamily:
       ``"loss"`` (each averaged over micro-batches and data-parallel ranks and logged). Without
       it the output is the per-token loss, averaged over ``batch["loss_mask"]``. With it the last
       stage may return whatever it takes (e.g. a dict of per-token terms).
+    - ``check_config(config) -> None`` (optional): raises ``mtl.core.errors.ConfigError`` naming
+      the key and what to set, for settings the family cannot build or would ignore; called by
+      ``RunConfig.resolve`` before any work (as ``Backend.check_config``).
     - ``converters``: maps a format name ("hf") to an object with
       ``to_mtl(hf_dir, *, tp=1) -> (model_section: dict, state: dict[str, Tensor])`` (the
       ``[model]`` config keys, and every parameter as a full global tensor with the vocabulary
@@ -180,6 +183,7 @@ class ModelFamily:
     activation_bytes_per_layer: Callable[[Any], float] | None = None
     forward_inputs: Callable[[Any], dict] | None = None
     loss: Callable[..., Any] | None = None
+    check_config: Callable[[Any], None] | None = None
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,9 @@ call, so a recomputed layer (``train.recompute = 'full'``) sets the same mask ag
   token). Under context parallelism every rank holds two chunks of the sequence; attention is
   not causal, so the order of the keys does not matter and the keys, values and their mask are
   all-gathered over the cp group (the gather's backward sums dK/dV over it).
+
+Selective recompute (``train.recompute = 'selective'``) checkpoints this module's call with
+the mask as an argument, so the backward's recomputation uses the same mask.
 """
 
 from __future__ import annotations
@@ -23,12 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtl.core.spec import build_module
+from mtl.models.gpt.recompute import checkpointed
 from mtl.parallel.random import get_rng_tracker
 
 
 class PaddedCoreAttention(nn.Module):
     def __init__(self, *, num_heads: int, num_query_groups: int, head_dim: int, dropout: float, topology,
-                 backend_attention, causal: bool = False):
+                 backend_attention, recompute: bool = False, causal: bool = False):
         super().__init__()
         del causal  # gpt's SelfAttention asks for causal attention; an encoder's is bidirectional
         self.inner = build_module(
@@ -37,6 +41,9 @@ class PaddedCoreAttention(nn.Module):
         )
         self.num_heads, self.num_query_groups = num_heads, num_query_groups
         self.dropout = dropout
+        # train.recompute = 'selective', done here rather than by gpt's SelfAttention: the mask
+        # must be an argument of the recomputed call (the attribute is gone by the backward)
+        self.recompute = recompute
         self.tp_split = topology is not None and topology.tp > 1
         self.cp_group = topology.group("cp") if topology is not None and topology.cp > 1 else None
         self.padding_mask: torch.Tensor | None = None  # [b, s(/cp)] bool, True: a real token
@@ -46,8 +53,12 @@ class PaddedCoreAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [b, s, heads, d], k/v [b, s, groups, d] (local heads, local sequence) -> [b, s, heads, d]."""
-        mask = self.padding_mask  # None when the micro-batch has no padding (the model checks once)
-        if mask is None:
+        if self.recompute and self.training:
+            return checkpointed(self._attend, q, k, v, self.padding_mask)
+        return self._attend(q, k, v, self.padding_mask)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        if mask is None:  # the micro-batch has no padding (the model checks once)
             return self.inner(q, k, v)
         if self.cp_group is not None:
             k = torch.cat(dist_fn.all_gather(k.contiguous(), group=self.cp_group), dim=1)  # [b, s, groups, d]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from mtl.core.registrations import ModelFamily
 from mtl.models.bert import flops
+from mtl.models.bert.checks import check_encoder_config
 from mtl.models.bert.loss import encoder_forward_inputs, encoder_loss
 from mtl.models.bert.model import build_encoder
 from mtl.models.convert_hf.bert import bert_converter
@@ -20,4 +21,5 @@ BERT_FAMILY = ModelFamily(
     activation_bytes_per_layer=activation_bytes_per_layer,
     forward_inputs=encoder_forward_inputs,
     loss=encoder_loss,
+    check_config=check_encoder_config,
 )

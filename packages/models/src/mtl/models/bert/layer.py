@@ -64,9 +64,11 @@ def encoder_layer_spec(config: RunConfig, backend: Backend) -> ModuleSpec:
     unfused = dataclasses.replace(backend, norm_column_linear=None, norm_mlp=None)
     gpt_layer = gpt_layer_spec(config, unfused)
     attention = gpt_layer.submodules.self_attention
-    core = ModuleSpec(PaddedCoreAttention, {"backend_attention": backend.core_attention})
+    core = ModuleSpec(PaddedCoreAttention, {"backend_attention": backend.core_attention,
+                                            "recompute": config.train.recompute == "selective"})
     attention = dataclasses.replace(
-        attention, submodules=dataclasses.replace(attention.submodules, core_attention=core)
+        attention, params={**attention.params, "recompute_core_attention": False},  # PaddedCoreAttention's own
+        submodules=dataclasses.replace(attention.submodules, core_attention=core),
     )
     m = config.model
     return ModuleSpec(

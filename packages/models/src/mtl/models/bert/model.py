@@ -27,6 +27,7 @@ from mtl.models.bert.heads import MaskedLMTransform, Pooler, replicated_linear
 from mtl.models.bert.layer import encoder_layer_spec
 from mtl.models.bert.vocab_hits import vocab_parallel_hits
 from mtl.models.gpt.layer_spec import norm_spec
+from mtl.models.gpt.recompute import checkpointed
 from mtl.models.gpt.transformer_block import TransformerBlock
 from mtl.models.gpt.transformer_layer import sequence_parallel_norm_kwargs
 from mtl.models.initialization import initialize_parameters, tag_weights
@@ -100,6 +101,14 @@ class EncoderModel(nn.Module):
         {"mlm_loss", "mlm_hits": [b, s] fp32, and with binary_labels [b] "binary_loss": [b]}."""
         if inference_context is not None:
             raise ConfigError("model.family = 'bert' is an encoder: it has no KV-cache generation")
+        hidden = self.encode(input_ids, position_ids, token_type_ids, padding_mask)
+        if not self.post_process:
+            return hidden
+        return self._heads(hidden, labels, binary_labels)
+
+    def encode(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None = None,
+               token_type_ids: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """This stage's embedding (first stage) and layers: hidden [s(/tp), b, h], before the final norm."""
         if self.pre_process:
             if input_ids is None:
                 raise ConfigError("the first pipeline stage needs input_ids [b, s]")
@@ -111,11 +120,11 @@ class EncoderModel(nn.Module):
         else:
             hidden = self.input_tensor
         mask = self._attention_mask(padding_mask)
+        recompute = self.config.train.recompute == "full" and self.training
         for layer in self.layers.values():
-            hidden = layer(hidden, mask)
-        if not self.post_process:
-            return hidden
-        return self._heads(hidden, labels, binary_labels)
+            # full recompute: the layer's call checkpointed, the mask among its arguments
+            hidden = checkpointed(layer, hidden, mask) if recompute else layer(hidden, mask)
+        return hidden
 
     def _attention_mask(self, padding_mask: torch.Tensor | None) -> torch.Tensor | None:
         """[b, s(/cp)] bool (True: a real token), or None where no key is padding: one host read
