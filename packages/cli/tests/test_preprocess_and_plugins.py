@@ -31,6 +31,16 @@ def test_preprocess_json_key_and_workers(mtl, ok, workdir):
     assert [dataset[i].tolist() for i in range(len(dataset))] == [list(f"doc {i}".encode()) for i in range(50)]
 
 
+def test_preprocess_split_sentences_keeps_documents(mtl, ok, workdir, jsonl):
+    pytest.importorskip("nltk")
+    jsonl(workdir / "corpus.jsonl", ["First one. Second one!", "Alone"])
+    out = ok(mtl("preprocess", "--input", "corpus.jsonl", "--output-prefix", "S", "--split-sentences"))
+    assert "3 sentences split by NLTK Punkt" in out and "2 docs" in out
+    dataset = IndexedDataset(str(workdir / "S"))
+    assert dataset.document_indices.tolist() == [0, 2, 3]
+    assert [bytes(dataset[i].tolist()).decode() for i in range(3)] == ["First one.", "Second one!", "Alone"]
+
+
 def test_plugins_lists_distributions_versions_and_registrations(mtl, ok):
     out = ok(mtl("plugins"))
     blocks = {}

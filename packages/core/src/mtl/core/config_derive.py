@@ -28,6 +28,7 @@ def derive(cfg: Any, world_size: int, tokenizer_vocab_size: int | None) -> None:
     _derive_layout(p, m, world_size)
     _derive_model(m, p, tokenizer_vocab_size)
     _derive_moe(m)
+    _derive_masking(cfg.data)
     compile_unset = t.compile is None
     _derive_train(t, p)
     if compile_unset:
@@ -37,6 +38,19 @@ def derive(cfg: Any, world_size: int, tokenizer_vocab_size: int | None) -> None:
         # whole sequence's k/v, as the all-gather does, and the gather compiles with the layer;
         # above that the ring holds less, so it stays the default there.
         p.cp_comm_type = "all_gather" if t.compile and p.cp == 2 else "p2p"
+
+
+# Megatron's pretrain_bert.py / pretrain_t5.py masking settings, per masked dataset
+MASKING_DEFAULTS = {"bert": {"masking_max_ngram": 3, "masking_do_full_word": False,
+                             "masking_use_geometric_distribution": False},
+                    "t5": {"masking_max_ngram": 10, "masking_do_full_word": True,
+                           "masking_use_geometric_distribution": True}}
+
+
+def _derive_masking(d: Any) -> None:
+    for name, value in MASKING_DEFAULTS.get(d.dataset, MASKING_DEFAULTS["bert"]).items():
+        if getattr(d, name) is None:
+            setattr(d, name, value)
 
 
 def _derive_layout(p: ParallelConfig, m: ModelConfig, world_size: int) -> None:

@@ -152,10 +152,24 @@ class DataConfig:
     split: str = "98,1,1"
     tokenizer: str = "byte"
     tokenizer_model: str | None = None
-    dataset: str = "gpt"  # gpt | mock (a registry name)
+    dataset: str = "gpt"  # gpt | bert | t5 | mock (a registry name)
     cache_dir: str | None = None  # index cache; default: beside the first data prefix
     num_workers: int = 0
     mock_num_samples: int = 4096
+    mask_prob: float = 0.15  # bert/t5: share of each sample's tokens masked (Megatron's --mask-prob)
+    # bert/t5: share of samples given a random shorter target length (Megatron's --short-seq-prob)
+    short_seq_prob: float = 0.1
+    # bert/t5: longest masked n-gram (t5: span) in candidate tokens; derived: 3 for bert, 10 for t5
+    # (the values Megatron's pretrain_bert.py / pretrain_t5.py hard-code)
+    masking_max_ngram: int | None = None
+    # bert/t5: whole-word masking, a word's "##" pieces are masked with it; derived: false for bert, true for t5
+    masking_do_full_word: bool | None = None
+    # bert/t5: n-gram lengths drawn from a geometric(0.2) law (SpanBERT, T5's spans) instead of
+    # probabilities proportional to 1/n; derived: false for bert, true for t5
+    masking_use_geometric_distribution: bool | None = None
+    masking_use_longer_ngrams: bool = False  # bert/t5: n-gram probabilities proportional to n instead of 1/n
+    # t5: decoder tokens per sample ([BOS] + sentinels + masked spans, padded); Megatron's --decoder-seq-length
+    decoder_seq_length: int = 128
 
 
 @dataclass

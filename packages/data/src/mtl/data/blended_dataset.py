@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from mtl.core.errors import ConfigError, DataError
+from mtl.data.dataset_family import check_family
 from mtl.data.gpt_dataset import GPTDataset
 from mtl.data.index_cache import load_or_build
 from mtl.data.indexed_dataset import IndexedDataset
@@ -123,6 +124,7 @@ def build_gpt_dataset(config, tokenizer, split: str, num_samples: int | None = N
 
     ``num_samples`` None gives one epoch of each prefix's split."""
     del tokenizer  # tokens are already ids; the vocabulary was fixed at preprocessing
+    check_family(config, "gpt")
     if split not in SPLITS:
         raise ConfigError(f"dataset split {split!r} is not one of {', '.join(SPLITS)}")
     data, seq_length, seed = config.data, config.model.seq_length, config.train.seed

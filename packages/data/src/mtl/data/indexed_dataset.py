@@ -76,15 +76,23 @@ class IndexedDatasetBuilder:
         self._bin.write(array.tobytes(order="C"))
         self._append_index(lengths_array, np.asarray([lengths_array.size], dtype=np.int64))
 
-    def add_documents(self, tokens: np.ndarray, document_lengths: np.ndarray) -> None:
-        """Many one-sequence documents at once: ``tokens`` is their concatenation."""
+    def add_documents(self, tokens: np.ndarray, sequence_lengths: np.ndarray,
+                      sequences_per_document: np.ndarray | None = None) -> None:
+        """Many documents at once: ``tokens`` is the concatenation of their sequences, and
+        document k is the next ``sequences_per_document[k]`` sequences (default: one each)."""
         tokens = np.ascontiguousarray(tokens, dtype=self.dtype)
-        document_lengths = np.asarray(document_lengths, dtype=np.int32)
-        if int(document_lengths.sum(dtype=np.int64)) != tokens.size:
-            raise DataError(f"{self.bin_path}: document lengths sum to "
-                            f"{int(document_lengths.sum())} but {tokens.size} tokens were given")
+        sequence_lengths = np.asarray(sequence_lengths, dtype=np.int32)
+        if int(sequence_lengths.sum(dtype=np.int64)) != tokens.size:
+            raise DataError(f"{self.bin_path}: sequence lengths sum to "
+                            f"{int(sequence_lengths.sum())} but {tokens.size} tokens were given")
+        if sequences_per_document is None:
+            sequences_per_document = np.ones(sequence_lengths.size, dtype=np.int64)
+        sequences_per_document = np.asarray(sequences_per_document, dtype=np.int64)
+        if int(sequences_per_document.sum()) != sequence_lengths.size:
+            raise DataError(f"{self.bin_path}: the documents hold {int(sequences_per_document.sum())} "
+                            f"sequences but {sequence_lengths.size} sequence lengths were given")
         tokens.tofile(self._bin)
-        self._append_index(document_lengths, np.ones(document_lengths.size, dtype=np.int64))
+        self._append_index(sequence_lengths, sequences_per_document)
 
     def _append_index(self, sequence_lengths: np.ndarray, sequences_per_document: np.ndarray) -> None:
         self._length_chunks.append(sequence_lengths)

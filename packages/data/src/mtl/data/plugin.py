@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from mtl.core.hookspecs import hookimpl
 from mtl.core.registrations import DatasetSpec, TokenizerSpec
+from mtl.data.bert_dataset import build_bert_dataset
 from mtl.data.blended_dataset import build_gpt_dataset
 from mtl.data.mock_dataset import build_mock_dataset
+from mtl.data.t5_dataset import build_t5_dataset
 from mtl.data.tokenizers.byte import build_byte_tokenizer
 from mtl.data.tokenizers.gpt2_bpe import build_gpt2_bpe_tokenizer
 from mtl.data.tokenizers.huggingface import build_hf_tokenizer
@@ -28,5 +30,9 @@ def mtl_tokenizers() -> list[TokenizerSpec]:
 def mtl_datasets() -> list[DatasetSpec]:
     return [
         DatasetSpec("gpt", build_gpt_dataset, "Megatron-style GPT samples over .bin/.idx, blended"),
+        DatasetSpec("bert", build_bert_dataset,
+                    "Megatron-Core's BERT samples (masked LM, sentence pairs) over sentence-split .bin/.idx"),
+        DatasetSpec("t5", build_t5_dataset,
+                    "Megatron-Core's T5 samples (span corruption with sentinels) over .bin/.idx"),
         DatasetSpec("mock", build_mock_dataset, "deterministic random tokens"),
     ]

@@ -1,4 +1,6 @@
-"""JSONL / plain text -> tokenized ``P.bin``/``P.idx`` (one sequence per document).
+"""JSONL / plain text -> tokenized ``P.bin``/``P.idx``: one sequence per document, or with
+``split_sentences`` one per sentence, the document boundaries kept in the index as Megatron's
+``preprocess_data.py --split-sentences`` keeps them (what BERT's sentence pairs need).
 
 The main process reads the input in chunks of lines; a pool of workers parses and tokenizes
 each chunk and returns its tokens as one numpy array, so the writer does no per-token
@@ -22,6 +24,7 @@ from tqdm import tqdm
 from mtl.core.errors import DataError
 from mtl.core.plugins import registry
 from mtl.data.indexed_dataset import IndexedDatasetBuilder, data_file_paths, optimal_dtype
+from mtl.data.sentence_split import build_sentence_splitter
 
 CHUNK_LINES = 512  # lines per task: large enough that pickling/IPC cost is amortised
 
@@ -33,6 +36,8 @@ class PreprocessStats:
     seconds: float
     docs_per_s: float
     mb_per_s: float  # input megabytes (10^6 bytes) per second
+    sequences: int = 0  # sequences written: sentences with split_sentences, else = docs
+    splitter: str | None = None  # which sentence splitter ran, None without split_sentences
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,8 @@ class _Job:
     json_key: str
     append_eod: bool
     dtype: str
+    split_sentences: bool = False
+    lang: str = "english"
 
 
 _worker_state: dict[str, Any] = {}
@@ -54,6 +61,8 @@ _worker_state: dict[str, Any] = {}
 def _init_worker(job: _Job) -> None:
     _worker_state["job"] = job
     _worker_state["tokenizer"] = job.build_tokenizer(job.tokenizer_model)
+    if job.split_sentences:
+        _worker_state["splitter"] = build_sentence_splitter(job.lang)
 
 
 def _document_text(line: bytes, line_no: int, job: _Job) -> str | None:
@@ -82,22 +91,51 @@ def _document_text(line: bytes, line_no: int, job: _Job) -> str | None:
     return text
 
 
-def _tokenize_chunk(chunk: tuple[int, list[bytes]]) -> tuple[np.ndarray, np.ndarray, int]:
-    """(tokens of all documents concatenated, tokens per document, input bytes)."""
+def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    encode_batch = getattr(tokenizer, "encode_batch", None)
+    return encode_batch(texts) if encode_batch else [tokenizer.encode(t) for t in texts]
+
+
+def _split_documents(texts: list[str], tokenizer, splitter, append_eod: bool
+                     ) -> tuple[list[list[int]], list[int]]:
+    """(token ids of every kept sentence, sentences per document), as Megatron's encoder:
+    sentences that tokenize to nothing are dropped, eod joins the last sentence, and a
+    document left with no tokens stays in the index with no sentences."""
+    sentences_of = [splitter.split(text) for text in texts]
+    ids = iter(_encode(tokenizer, [s for sentences in sentences_of for s in sentences]))
+    kept: list[list[int]] = []
+    per_document: list[int] = []
+    for sentences in sentences_of:
+        document = [sentence_ids for sentence_ids in itertools.islice(ids, len(sentences))
+                    if sentence_ids]
+        if document and append_eod:
+            document[-1] = document[-1] + [tokenizer.eod]
+        kept += document
+        per_document.append(len(document))
+    return kept, per_document
+
+
+def _tokenize_chunk(chunk: tuple[int, list[bytes]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(tokens of all sequences concatenated, tokens per sequence, sequences per document,
+    input bytes); a sequence is a document, or a sentence with split_sentences."""
     first_line_no, lines = chunk
     job: _Job = _worker_state["job"]
     tokenizer = _worker_state["tokenizer"]
     texts = [_document_text(line, first_line_no + i, job) for i, line in enumerate(lines)]
     texts = [t for t in texts if t is not None]
-    encode_batch = getattr(tokenizer, "encode_batch", None)
-    docs = encode_batch(texts) if encode_batch else [tokenizer.encode(t) for t in texts]
-    if job.append_eod:
-        # as Megatron: an empty document stays empty, it gets no lone eod
-        docs = [doc + [tokenizer.eod] if doc else doc for doc in docs]
-    lengths = np.fromiter((len(d) for d in docs), dtype=np.int32, count=len(docs))
-    tokens = np.fromiter(itertools.chain.from_iterable(docs), dtype=job.dtype,
+    if job.split_sentences:
+        sequences, per_document = _split_documents(texts, tokenizer, _worker_state["splitter"],
+                                                   job.append_eod)
+    else:
+        sequences = _encode(tokenizer, texts)
+        if job.append_eod:
+            # as Megatron: an empty document stays empty, it gets no lone eod
+            sequences = [doc + [tokenizer.eod] if doc else doc for doc in sequences]
+        per_document = [1] * len(sequences)
+    lengths = np.fromiter((len(d) for d in sequences), dtype=np.int32, count=len(sequences))
+    tokens = np.fromiter(itertools.chain.from_iterable(sequences), dtype=job.dtype,
                          count=int(lengths.sum(dtype=np.int64)))
-    return tokens, lengths, sum(len(line) for line in lines)
+    return tokens, lengths, np.asarray(per_document, dtype=np.int64), sum(len(line) for line in lines)
 
 
 def _line_chunks(path: str) -> Iterator[tuple[int, list[bytes]]]:
@@ -121,6 +159,8 @@ def preprocess(
     append_eod: bool = False,
     progress: bool = True,
     overwrite: bool = True,
+    split_sentences: bool = False,
+    lang: str = "english",
 ) -> PreprocessStats:
     """Tokenize ``input_path`` into ``output_prefix.bin/.idx``.
 
@@ -128,7 +168,9 @@ def preprocess(
     ``json_key``; any other file is plain text, one document per line. Blank lines are
     skipped. ``workers`` > 1 tokenizes in that many processes. ``overwrite=False`` refuses,
     before any tokenizing, a prefix whose ``.bin`` or ``.idx`` exists already (``mtl
-    preprocess`` without ``--overwrite``: another corpus's dataset is not replaced by mistake)."""
+    preprocess`` without ``--overwrite``: another corpus's dataset is not replaced by mistake).
+    ``split_sentences`` writes one sequence per sentence (NLTK Punkt for ``lang``), documents
+    as runs of sentences in the index, as Megatron's ``--split-sentences``."""
     input_path = os.fspath(input_path)
     if not os.path.isfile(input_path):
         raise DataError(f"input file {input_path} does not exist")
@@ -140,16 +182,18 @@ def preprocess(
                         f"(overwrite=True) to replace it, or choose another --output-prefix")
     spec = registry("tokenizer").get(tokenizer_name)
     tokenizer = spec.build(tokenizer_model)  # fail here, before any worker starts
+    splitter = build_sentence_splitter(lang) if split_sentences else None
     dtype = np.dtype(optimal_dtype(tokenizer.vocab_size))
     job = _Job(spec.build, tokenizer_model, input_path,
-               input_path.endswith((".jsonl", ".json")), json_key, append_eod, dtype.str)
+               input_path.endswith((".jsonl", ".json")), json_key, append_eod, dtype.str,
+               split_sentences, lang)
 
     output_prefix = os.fspath(output_prefix)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     bin_path, idx_path = data_file_paths(output_prefix)
     tmp_bin, tmp_idx = f"{bin_path}.tmp{os.getpid()}", f"{idx_path}.tmp{os.getpid()}"
     start = time.perf_counter()
-    docs = tokens = 0
+    docs = tokens = sequences = 0
     pool = None
     try:
         builder = IndexedDatasetBuilder(tmp_bin, dtype)
@@ -161,9 +205,10 @@ def preprocess(
             results = pool.imap(_tokenize_chunk, _line_chunks(input_path))
         with tqdm(total=os.path.getsize(input_path), unit="B", unit_scale=True,
                   desc=f"preprocess {os.path.basename(input_path)}", disable=not progress) as bar:
-            for chunk_tokens, chunk_lengths, chunk_bytes in results:
-                builder.add_documents(chunk_tokens, chunk_lengths)
-                docs += len(chunk_lengths)
+            for chunk_tokens, chunk_lengths, chunk_documents, chunk_bytes in results:
+                builder.add_documents(chunk_tokens, chunk_lengths, chunk_documents)
+                docs += len(chunk_documents)
+                sequences += len(chunk_lengths)
                 tokens += chunk_tokens.size
                 bar.update(chunk_bytes)
         builder.finalize(tmp_idx)
@@ -182,4 +227,5 @@ def preprocess(
     seconds = time.perf_counter() - start
     size = os.path.getsize(input_path)
     return PreprocessStats(docs, tokens, seconds, docs / max(seconds, 1e-9),
-                           size / 1e6 / max(seconds, 1e-9))
+                           size / 1e6 / max(seconds, 1e-9), sequences,
+                           splitter.description if splitter else None)

@@ -14,11 +14,18 @@ import click
 @click.option("--workers", default=1, show_default=True, type=int)
 @click.option("--append-eod", is_flag=True, help="End every document with the EOD token.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing PREFIX.bin/.idx (refused otherwise).")
-def preprocess(input_path, output_prefix, tokenizer, tokenizer_model, json_key, workers, append_eod, overwrite):
+@click.option("--split-sentences", is_flag=True,
+              help="One sequence per sentence (NLTK Punkt), documents kept as runs of sentences "
+                   "in the index, as Megatron's --split-sentences (BERT's sentence pairs need it).")
+def preprocess(input_path, output_prefix, tokenizer, tokenizer_model, json_key, workers, append_eod, overwrite,
+               split_sentences):
     """Tokenize a corpus into an indexed dataset."""
     from mtl.data.preprocess import preprocess as run
 
     stats = run(input_path, output_prefix, tokenizer, tokenizer_model=tokenizer_model,
-                json_key=json_key, workers=workers, append_eod=append_eod, progress=True, overwrite=overwrite)
+                json_key=json_key, workers=workers, append_eod=append_eod, progress=True, overwrite=overwrite,
+                split_sentences=split_sentences)
+    if stats.splitter:
+        click.echo(f"{stats.sequences:,} sentences split by {stats.splitter}")
     click.echo(f"{stats.docs:,} docs, {stats.tokens:,} tokens in {stats.seconds:.2f} s: "
                f"{stats.docs_per_s:,.0f} docs/s, {stats.mb_per_s:.2f} MB/s -> {output_prefix}.bin/.idx")

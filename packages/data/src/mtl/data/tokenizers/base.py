@@ -13,7 +13,11 @@ class Tokenizer(Protocol):
     """Text <-> token ids. ``eod`` is the id appended between documents.
 
     Implementations may also offer ``encode_batch(texts) -> list[list[int]]``; the
-    preprocessing pipeline uses it when present.
+    preprocessing pipeline uses it when present. Those with a vocabulary of named tokens
+    (``hf``, ``sentencepiece``) offer ``token_to_id(token) -> int | None``,
+    ``id_to_token(id) -> str | None`` and ``special_tokens`` (role -> token, e.g.
+    ``{"cls": "[CLS]"}``, as the tokenizer's files declare them): the bert and t5 datasets
+    find their [CLS], [SEP], [MASK], [PAD] and sentinel tokens through them.
     """
 
     vocab_size: int

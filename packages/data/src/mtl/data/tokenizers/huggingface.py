@@ -28,18 +28,29 @@ class HuggingFaceTokenizer:
         except Exception as exc:  # the library raises a bare Exception on a malformed file
             raise DataError(f"tokenizer 'hf': cannot read {json_path}: {exc}") from exc
         self.vocab_size = self.model.get_vocab_size(with_added_tokens=True)
+        self.special_tokens = self._declared_special_tokens(json_path)
         self.eod = self._find_eod(json_path)
+
+    @staticmethod
+    def _declared_special_tokens(json_path: str) -> dict[str, str]:
+        """Role -> token its ``tokenizer_config.json`` names (``{"cls": "[CLS]", ...}``), if any."""
+        config_path = os.path.join(os.path.dirname(json_path), "tokenizer_config.json")
+        if not os.path.isfile(config_path):
+            return {}
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+        declared = {}
+        for key, token in config.items():
+            if isinstance(token, dict):  # {"content": "</s>", ...} in older configs
+                token = token.get("content")
+            if key.endswith("_token") and isinstance(token, str):
+                declared[key.removesuffix("_token")] = token
+        return declared
 
     def _find_eod(self, json_path: str) -> int:
         candidates = list(EOD_CANDIDATES)
-        config_path = os.path.join(os.path.dirname(json_path), "tokenizer_config.json")
-        if os.path.isfile(config_path):
-            with open(config_path, encoding="utf-8") as f:
-                eos = json.load(f).get("eos_token")
-            if isinstance(eos, dict):  # {"content": "</s>", ...} in older configs
-                eos = eos.get("content")
-            if isinstance(eos, str):
-                candidates.insert(0, eos)
+        if "eos" in self.special_tokens:
+            candidates.insert(0, self.special_tokens["eos"])
         for token in candidates:
             token_id = self.model.token_to_id(token)
             if token_id is not None:
@@ -57,6 +68,12 @@ class HuggingFaceTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.model.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.model.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.model.id_to_token(int(token_id))
 
 
 def build_hf_tokenizer(model_path: str | None) -> HuggingFaceTokenizer:

@@ -35,6 +35,21 @@ class SentencePieceTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.model.decode([int(i) for i in ids])
 
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """Role -> piece of the roles the model was trained with (bos, eos, pad, unk)."""
+        ids = {"bos": self.model.bos_id(), "eos": self.model.eos_id(), "pad": self.model.pad_id(),
+               "unk": self.model.unk_id()}
+        return {role: self.model.id_to_piece(i) for role, i in ids.items() if i >= 0}
+
+    def token_to_id(self, token: str) -> int | None:
+        """The piece's id; None for a piece the model does not hold (it would map to unk)."""
+        token_id = self.model.piece_to_id(token)
+        return None if token_id == self.model.unk_id() and token != self.model.id_to_piece(token_id) else token_id
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.model.id_to_piece(int(token_id))
+
 
 def build_sentencepiece_tokenizer(model_path: str | None) -> SentencePieceTokenizer:
     return SentencePieceTokenizer(
