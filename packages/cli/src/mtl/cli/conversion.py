@@ -53,15 +53,22 @@ def converter_formats() -> dict[str, list[str]]:
     return formats
 
 
-def _family_for(fmt: str, family: str | None) -> str:
+def _family_for(fmt: str, family: str | None, src_dir: Path | None = None) -> str:
+    """The family whose ``fmt`` converter reads ``src_dir``: ``family`` if given; else the only
+    one with such a converter, or among several the one whose converter ``accepts(src_dir)``
+    (the hf converters of gpt and bert tell their architectures apart by config.json)."""
     formats = converter_formats()
     if fmt not in formats:
         known = ", ".join(sorted(formats)) or "none"
         raise ConfigError(f"no model family registers a '{fmt}' converter (installed converters: {known})")
     if family is None:
-        if len(formats[fmt]) > 1:
-            raise ConfigError(f"model families {', '.join(formats[fmt])} all have a '{fmt}' converter; pick one with --family")
-        return formats[fmt][0]
+        candidates = formats[fmt]
+        if len(candidates) > 1 and src_dir is not None:
+            candidates = [name for name in candidates
+                          if getattr(_converter(name, fmt), "accepts", lambda src: True)(src_dir)] or candidates
+        if len(candidates) > 1:
+            raise ConfigError(f"model families {', '.join(candidates)} all have a '{fmt}' converter; pick one with --family")
+        return candidates[0]
     if family not in formats[fmt]:
         raise ConfigError(f"model family '{family}' has no '{fmt}' converter (families with one: {', '.join(formats[fmt])})")
     return family
@@ -176,7 +183,7 @@ def to_mtl(src: str, dst: str, *, src_format: str = "hf", family: str | None = N
     src_dir, dst_dir = Path(src), Path(dst)
     if not src_dir.exists():
         raise CheckpointError(f"{src_dir} does not exist: give the {src_format} checkpoint directory to convert")
-    family = _family_for(src_format, family)
+    family = _family_for(src_format, family, src_dir)
     section, metas, tensors = _converted_tensors(_converter(family, src_format), src_dir, options)
     tokenizer = _detect_tokenizer(src_dir)
     data = {"tokenizer": tokenizer[0], "tokenizer_model": tokenizer[1]} if tokenizer else {}

@@ -105,6 +105,10 @@ class HFConverter:
         self.architectures = tuple(self.table)
         self.default = default
 
+    def accepts(self, hf_dir: str | Path) -> bool:
+        """Whether ``hf_dir``'s config.json names one of this converter's architectures."""
+        return read_hf_config(hf_dir).get("model_type") in self.table
+
     def stream_to_mtl(self, hf_dir: str | Path) -> tuple[dict[str, Any], TensorStream]:
         hf_config = read_hf_config(hf_dir)
         source = str(Path(hf_dir) / "config.json")
