@@ -16,9 +16,21 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mtl.core.errors import ConfigError
+
+
+FIELDS = ("text", "types", "labels", "is_random", "padding_mask", "loss_mask")
+
 
 def encoder_forward_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The model's forward keywords from one micro-batch."""
+    """The model's forward keywords from one micro-batch (a ConfigError, before the first
+    forward, for samples of another dataset)."""
+    missing = [name for name in FIELDS if name not in batch]
+    if missing:
+        raise ConfigError(
+            f"model.family = 'bert' reads the bert dataset's fields, and the samples lack {', '.join(missing)} "
+            f"(they have {', '.join(sorted(batch))}); set data.dataset = 'bert'"
+        )
     return {
         "input_ids": batch["text"],
         "position_ids": batch["position_ids"],
