@@ -51,3 +51,21 @@ def test_t5_logits_and_round_trip(version):
     back = dict(stream(lambda read: t5_from_mtl(shape, read), DictSource(gather_global_state(model, Topology.single()))))
     for name, tensor in back.items():
         assert torch.equal(tensor, hf_state[name]), name
+
+
+def test_t5_greedy_generation_equals_hf_generate():
+    from mtl.models.t5.generate import greedy_generate
+
+    hf = hf_t5("1.1")
+    shape = t5_shape(hf.config.to_dict(), "config.json")
+    converted = dict(stream(lambda read: t5_to_mtl(shape, read), DictSource(hf.state_dict()), ignored=t5_ignored(shape)))
+    model = T5Model(shape, Topology.single(), registry("backend").get("local")).eval()
+    load_global_state(model, Topology.single(), converted)
+    source = torch.randint(2, 120, (2, 12), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(source)
+    mask[0, 8:] = 0
+    expected = hf.generate(input_ids=source, attention_mask=mask, max_new_tokens=10, do_sample=False, num_beams=1,
+                           eos_token_id=1, pad_token_id=0, decoder_start_token_id=0,
+                           use_cache=False)  # its cache is sized by num_layers, not num_decoder_layers
+    ours = greedy_generate(model, source, mask, max_new_tokens=10)
+    assert ours.shape[1] > 4 and torch.equal(ours, expected)
