@@ -1,5 +1,5 @@
-"""T5 from Hugging Face: ``T5ForConditionalGeneration`` 1.0 (ReLU, tied head, rescaled) and
-1.1 (gated GELU, untied head), random tiny models made here: the converted ``T5Model``'s logits
+"""T5 from Hugging Face: ``T5ForConditionalGeneration`` 1.0 (ReLU, decoder output rescaled) and
+1.1 (gated GELU, not rescaled; transformers 5 keeps its head tied), random tiny models made here: the converted ``T5Model``'s logits
 equal transformers' within 1e-4 relative (padded encoder input, the decoder's causal bias,
 cross-attention), and HF -> mtl -> HF is bit-exact."""
 
@@ -46,7 +46,7 @@ def test_t5_logits_and_round_trip(version):
     target = torch.randint(1, 120, (2, 30), generator=generator)  # longer than max_distance: far buckets used
     with torch.no_grad():
         expected = hf(input_ids=source, attention_mask=mask, decoder_input_ids=target).logits
-        logits = model(source, target, padding_mask=mask)
+        logits = model(source, decoder_input_ids=target, padding_mask=mask)
     assert (logits - expected).abs().max() <= 1e-4 * expected.abs().max()
     back = dict(stream(lambda read: t5_from_mtl(shape, read), DictSource(gather_global_state(model, Topology.single()))))
     for name, tensor in back.items():

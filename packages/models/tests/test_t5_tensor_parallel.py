@@ -13,7 +13,8 @@ from mtl.parallel.topology import Topology
 
 SHAPE = T5Shape(vocab_size=120, padded_vocab_size=128, hidden_size=32, num_layers=2, num_decoder_layers=2,
                 num_attention_heads=4, head_dim=8, ffn_hidden_size=48, activation="gated-gelu",
-                relative_attention_num_buckets=8, relative_attention_max_distance=20, tie_embeddings=False)
+                relative_attention_num_buckets=8, relative_attention_max_distance=20, tie_embeddings=False,
+                scale_decoder_output=False)
 
 
 def inputs():
@@ -32,7 +33,7 @@ def logits_and_tokens(tp: int, state=None):
         load_global_state(model, topology, state)
     source, mask, target = inputs()
     with torch.no_grad():
-        logits = model(source, target, padding_mask=mask)
+        logits = model(source, decoder_input_ids=target, padding_mask=mask)
         if tp > 1:
             logits = gather_from_tensor_parallel(logits, topology.tp_group)
     return logits, greedy_generate(model, source, mask, max_new_tokens=6, eos_token_id=None)

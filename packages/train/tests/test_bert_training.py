@@ -8,17 +8,16 @@ padded differently at tp 1 and 2)."""
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 
 from mtl.data.demo_corpus import write_demo_corpus
 from mtl.data.preprocess import preprocess
 from mtl.parallel.testing import run_distributed
-from mtl.train.testing import LOSS_RTOL, StepWatcher, compare_with_reference, run_tiny
+from mtl.train.testing import LOSS_RTOL, StepWatcher, compare_with_reference, run_tiny, write_sized_wordpiece
 
 BERT_VOCAB = 30522  # bert-base-uncased's vocabulary size
-SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+ROLES = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]", "mask_token": "[MASK]"}
 BERT = [
     "model.family='bert'", "model.norm_position='post'", "model.type_vocab_size=2", "model.binary_head=true",
     "model.num_query_groups=4", "model.normalization='layernorm'", "model.norm_eps=1e-12",
@@ -32,25 +31,6 @@ LAYOUTS = {
     "dp2_distopt": (2, ["parallel.distributed_optimizer=true"]),
     "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
 }
-
-
-def write_bert_sized_wordpiece(directory: Path, texts: list[str]) -> Path:
-    """A lowercase WordPiece tokenizer trained on ``texts``, its vocabulary filled up to BERT's
-    30522 entries (unused pieces, as bert-base's [unused*]), with the special tokens named in
-    tokenizer_config.json as a Hugging Face BERT folder names them."""
-    from tokenizers import Tokenizer
-    from tokenizers.implementations import BertWordPieceTokenizer
-
-    trained = BertWordPieceTokenizer(lowercase=True)
-    trained.train_from_iterator(texts, vocab_size=400, min_frequency=2, special_tokens=SPECIALS, show_progress=False)
-    spec = json.loads(trained.to_str())
-    vocab = spec["model"]["vocab"]
-    for i in range(BERT_VOCAB - len(vocab)):
-        vocab[f"[unused{i}]"] = len(vocab)
-    Tokenizer.from_str(json.dumps(spec)).save(str(directory / "tokenizer.json"))
-    roles = dict(zip(["pad_token", "unk_token", "cls_token", "sep_token", "mask_token"], SPECIALS))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer", **roles}))
-    return directory / "tokenizer.json"
 
 
 def bert_run(overrides, corpus):
@@ -71,7 +51,7 @@ def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("bert_corpus")
     jsonl = write_demo_corpus(str(root / "corpus.jsonl"), num_docs=200, seed=3)
     texts = [json.loads(line)["text"] for line in open(jsonl, encoding="utf-8")]
-    tokenizer = str(write_bert_sized_wordpiece(root, texts))
+    tokenizer = str(write_sized_wordpiece(root, texts, BERT_VOCAB, ROLES))
     preprocess(jsonl, str(root / "corpus"), "hf", tokenizer, progress=False, split_sentences=True)
     return str(root / "corpus"), tokenizer
 

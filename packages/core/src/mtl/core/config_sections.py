@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.normalization": ("layernorm", "rmsnorm"),
-    "model.activation": ("gelu", "swiglu"),
+    "model.activation": ("gelu", "swiglu", "relu", "gated-gelu"),
     "model.position_embedding": ("learned", "rope"),
     "model.rope_scaling": ("none", "llama3"),
     "model.moe_router": ("softmax", "sigmoid"),
@@ -50,7 +50,7 @@ class ModelConfig:
     max_position_embeddings: int | None = None  # derived: seq_length
     normalization: str = "rmsnorm"
     norm_eps: float = 1e-5
-    activation: str = "swiglu"
+    activation: str = "swiglu"  # gpt, bert: gelu | swiglu; t5: relu (T5 1.0) | gated-gelu (T5 1.1, Flan-T5; tanh GELU)
     position_embedding: str = "rope"
     bias: bool = False
     qkv_bias: bool = False  # biases on the query/key/value projection only (Qwen2); `bias` sets all
@@ -92,6 +92,15 @@ class ModelConfig:
     # so its table has two rows before the first position); the table holds max_position_embeddings + offset rows
     position_offset: int = 0
     binary_head: bool = False  # bert: a pooler on the first token and a 2-way head (NSP / sentence order), trained on is_random
+    # t5: decoder layers (the encoder has num_layers); derived: = num_layers
+    num_decoder_layers: int | None = None
+    # t5: buckets of the relative position bias (half per direction in the encoder) and the
+    # distance past which all share the last one (T5's 32 and 128)
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    # t5: multiply the decoder output by hidden_size**-0.5 before the LM head (T5 1.0, whose head
+    # is the embedding; T5 1.1 and Flan-T5 do not)
+    scale_decoder_output: bool = False
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Registers the ``gpt`` and ``bert`` model families through the ``mtl_model_families`` hook
+"""Registers the ``gpt``, ``bert`` and ``t5`` model families through the ``mtl_model_families`` hook
 (entry point ``gpt_family``)."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 from mtl.core.hookspecs import hookimpl
 from mtl.core.registrations import ModelFamily
 from mtl.models.bert.family import BERT_FAMILY
+from mtl.models.t5.family import T5_FAMILY
 from mtl.models.convert_hf import HFConverter
 from mtl.models.convert_megatron import MegatronConverter
 from mtl.models.gpt.family import gpt_like_family
@@ -21,4 +22,4 @@ GPT_FAMILY = gpt_like_family(
 
 @hookimpl
 def mtl_model_families() -> list[ModelFamily]:
-    return [GPT_FAMILY, BERT_FAMILY]
+    return [GPT_FAMILY, BERT_FAMILY, T5_FAMILY]

@@ -30,14 +30,16 @@ def t5_shape(hf: dict[str, Any], source: str, padded_vocab_size: int | None = No
         num_attention_heads=hf["num_heads"], head_dim=hf["d_kv"], ffn_hidden_size=hf["d_ff"], activation=projection,
         relative_attention_num_buckets=hf.get("relative_attention_num_buckets", 32),
         relative_attention_max_distance=hf.get("relative_attention_max_distance", 128),
-        norm_eps=hf.get("layer_norm_epsilon", 1e-6), tie_embeddings=_tied(hf),
+        norm_eps=hf.get("layer_norm_epsilon", 1e-6), tie_embeddings=hf.get("tie_word_embeddings", True),
+        scale_decoder_output=_scaled(hf),
     )
 
 
-def _tied(hf: dict[str, Any]) -> bool:
-    """T5 1.0 ties its head and rescales the decoder output; 1.1 does neither. transformers 5
-    records that as ``scale_decoder_outputs`` (its ``tie_word_embeddings`` is then always true);
-    config.json files written before it as ``tie_word_embeddings``."""
+def _scaled(hf: dict[str, Any]) -> bool:
+    """T5 1.0 rescales the decoder output, 1.1 and Flan-T5 do not. Their config.json files said
+    so with ``tie_word_embeddings`` (1.1's head is its own table: ``lm_head.weight`` is stored);
+    transformers 5 writes ``scale_decoder_outputs`` and always ``tie_word_embeddings = true``,
+    storing no ``lm_head.weight`` (its head reads the embedding)."""
     return bool(hf["scale_decoder_outputs"]) if "scale_decoder_outputs" in hf else hf.get("tie_word_embeddings", True)
 
 
@@ -125,3 +127,62 @@ def t5_ignored(shape: T5Shape):
     if shape.tie_embeddings:
         copies.add("lm_head.weight")
     return copies.__contains__
+
+
+# -- the ``hf`` converter record of the t5 family (``mtl convert``) ---------------------------
+
+def t5_model_section(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """Our ``[model]`` keys for a T5 config.json."""
+    shape = t5_shape(hf, source)
+    return {
+        "family": "t5", "num_layers": shape.num_layers, "num_decoder_layers": shape.num_decoder_layers,
+        "hidden_size": shape.hidden_size, "num_attention_heads": shape.num_attention_heads,
+        "num_query_groups": shape.num_attention_heads, "head_dim": shape.head_dim,
+        "ffn_hidden_size": shape.ffn_hidden_size, "vocab_size": shape.vocab_size, "activation": shape.activation,
+        "relative_attention_num_buckets": shape.relative_attention_num_buckets,
+        "relative_attention_max_distance": shape.relative_attention_max_distance, "normalization": "rmsnorm",
+        "norm_eps": shape.norm_eps, "bias": False, "tie_embeddings": shape.tie_embeddings,
+        "scale_decoder_output": shape.scale_decoder_output,
+    }
+
+
+def _shape_of(section) -> T5Shape:
+    """A T5Shape from a [model] section dict or a resolved ModelConfig (vocabulary rows as stored)."""
+    get = section.get if isinstance(section, dict) else lambda key, default=None: getattr(section, key, default)
+    return T5Shape(
+        vocab_size=get("vocab_size"), padded_vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
+        num_layers=get("num_layers"), num_decoder_layers=get("num_decoder_layers") or get("num_layers"),
+        num_attention_heads=get("num_attention_heads"), head_dim=get("head_dim"),
+        ffn_hidden_size=get("ffn_hidden_size"), activation=get("activation"),
+        relative_attention_num_buckets=get("relative_attention_num_buckets"),
+        relative_attention_max_distance=get("relative_attention_max_distance"), tie_embeddings=get("tie_embeddings"),
+        scale_decoder_output=get("scale_decoder_output"),
+    )
+
+
+def check_t5_exportable(m) -> None:
+    if m.family != "t5":
+        raise ConfigError(f"T5 export needs model.family = 't5' (have {m.family!r})")
+
+
+def t5_config(m, dtype: torch.dtype) -> dict[str, Any]:
+    return {
+        "architectures": ["T5ForConditionalGeneration"], "model_type": "t5", "vocab_size": m.vocab_size,
+        "d_model": m.hidden_size, "d_kv": m.head_dim, "d_ff": m.ffn_hidden_size, "num_layers": m.num_layers,
+        "num_decoder_layers": m.num_decoder_layers, "num_heads": m.num_attention_heads,
+        "relative_attention_num_buckets": m.relative_attention_num_buckets,
+        "relative_attention_max_distance": m.relative_attention_max_distance, "layer_norm_epsilon": m.norm_eps,
+        "feed_forward_proj": m.activation, "tie_word_embeddings": m.tie_embeddings,
+        "scale_decoder_outputs": m.scale_decoder_output, "dropout_rate": m.hidden_dropout, "is_encoder_decoder": True,
+        "decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1, "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def t5_converter():
+    """The ``hf`` converter of the ``t5`` family."""
+    from mtl.models.convert_hf import HFArchitecture, HFConverter
+
+    arch = HFArchitecture("t5", t5_model_section, lambda section, read: t5_to_mtl(_shape_of(section), read),
+                          lambda section: t5_ignored(_shape_of(section)), check_t5_exportable,
+                          lambda m, read: t5_from_mtl(_shape_of(m), read), t5_config)
+    return HFConverter({"t5": arch}, lambda m: "t5")

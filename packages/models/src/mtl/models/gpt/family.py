@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from mtl.core.registrations import ModelFamily
-from mtl.models.bert.checks import refuse_encoder_keys
+from mtl.models.family_keys import refuse_encoder_keys
 from mtl.models.gpt import flops
 from mtl.models.gpt.model import LayerSpec, build_gpt
 

@@ -18,7 +18,7 @@ def greedy_generate(model, input_ids: torch.Tensor, padding_mask: torch.Tensor |
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     vocab = model.shape.vocab_size
     for _ in range(max_new_tokens):
-        logits = model(input_ids, tokens, padding_mask=padding_mask, encoder_output=encoder_output)[:, -1]
+        logits = model(input_ids, decoder_input_ids=tokens, padding_mask=padding_mask, encoder_output=encoder_output)[:, -1]
         if model.topology is not None and model.topology.tp > 1:
             logits = gather_from_tensor_parallel(logits, model.topology.tp_group)  # [b, V/tp] -> [b, V]
         next_token = logits[:, :vocab].argmax(dim=-1)

@@ -6,11 +6,11 @@ bias, cross-attention, ReLU / gated-GELU MLP).
              h += mlp(norm(h))] -> final norm
     decoder: embed -> M x [h += self_attn(norm(h)) with the causal position bias;
              h += cross_attn(norm(h), encoder output); h += mlp(norm(h))] -> final norm
-    head:    tied to the embedding, scaled by h^-0.5 (T5 1.0), or its own table (T5 1.1)
+    head:    the embedding (tied) or its own table; T5 1.0 scales the decoder output by h^-0.5 first
 
 Each stack holds one position-bias table (T5 keeps it in its first layer and shares it with
-the others). One process or tensor parallelism (heads, MLP and vocabulary split over TP); not
-yet sequence or pipeline parallelism, nor a KV cache (see the package README).
+the others). One process, tensor and data parallelism (heads, MLP and vocabulary split over
+TP); not yet sequence, context or pipeline parallelism, nor a KV cache (see the package README).
 """
 
 from __future__ import annotations
@@ -20,16 +20,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mtl.core.errors import ConfigError
 from mtl.core.registrations import Backend
 from mtl.core.spec import ModuleSpec, build_module
 from mtl.models.gpt.attention import SelfAttention, SelfAttentionSubmodules
 from mtl.models.gpt.embedding import GPTEmbedding
 from mtl.models.gpt.mlp import MLPSubmodules
-from mtl.models.initialization import tag_weights
+from mtl.models.initialization import initialize_parameters, tag_weights
 from mtl.models.param_layout import mark_vocab_rows
 from mtl.models.t5.attention import BiasedCoreAttention, CrossAttention
 from mtl.models.t5.mlp import T5MLP
 from mtl.models.t5.relative_position import RelativePositionBias
+from mtl.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class T5Shape:
     relative_attention_max_distance: int = 128
     norm_eps: float = 1e-6
     tie_embeddings: bool = True
+    scale_decoder_output: bool = True  # T5 1.0: the decoder output times hidden_size**-0.5 before the head
     init_std: float = 0.02
     dropout: float = 0.0
 
@@ -142,9 +145,14 @@ MASKED = torch.finfo(torch.float32).min  # as HF: a masked score is the lowest f
 
 
 class T5Model(nn.Module):
-    def __init__(self, shape: T5Shape, topology, backend: Backend):
+    """Follows ``mtl.core.model_protocol.LanguageModel`` as one stage holding the whole model
+    (``pre_process`` and ``post_process``; the t5 family refuses pipeline parallelism for now)."""
+
+    pre_process = post_process = True
+
+    def __init__(self, shape: T5Shape, topology, backend: Backend, config=None):
         super().__init__()
-        self.shape, self.topology = shape, topology
+        self.shape, self.topology, self.config = shape, topology, config
         self.embedding = GPTEmbedding(padded_vocab_size=shape.padded_vocab_size, hidden_size=shape.hidden_size,
                                       max_position_embeddings=None, init_std=shape.init_std, hidden_dropout=0.0,
                                       sequence_parallel=False, topology=topology)
@@ -158,20 +166,57 @@ class T5Model(nn.Module):
         if shape.tie_embeddings:
             self.output_layer.weight = self.embedding.word_embeddings.weight
 
+    def compile_units(self) -> list[nn.Module]:
+        return [*self.encoder.layers.values(), *self.decoder.layers.values()]
+
+    def set_input_tensor(self, input_tensor: torch.Tensor) -> None:
+        raise ConfigError("model.family = 't5' runs as one pipeline stage (parallel.pp = 1)")
+
     def encode(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [b, s_enc], padding_mask [b, s_enc] (1: a real token) -> [s_enc, b, h]."""
         real = padding_mask.bool() if padding_mask is not None else None
         return self.encoder(self.embedding(input_ids, None), real)
 
-    def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor, *,
-                padding_mask: torch.Tensor | None = None, decoder_padding_mask: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor, position_ids=None, labels: torch.Tensor | None = None,
+                inference_context=None, *, decoder_input_ids: torch.Tensor, padding_mask: torch.Tensor | None = None,
+                decoder_padding_mask: torch.Tensor | None = None,
                 encoder_output: torch.Tensor | None = None) -> torch.Tensor:
-        """-> logits [b, s_dec, V/tp]; ``encoder_output`` [s_enc, b, h] skips the encoder."""
+        """input_ids [b, s_enc], decoder_input_ids [b, s_dec] -> logits [b, s_dec, V/tp], or with
+        ``labels`` [b, s_dec] (-1 on padding) the per-token fp32 loss [b, s_dec]. T5's positions
+        are relative: ``position_ids`` is not read. ``encoder_output`` [s_enc, b, h] skips the encoder."""
+        if inference_context is not None:
+            raise ConfigError("model.family = 't5' generates with mtl.models.t5.generate (no KV-cache context yet)")
         if encoder_output is None:
             encoder_output = self.encode(input_ids, padding_mask)
         real = padding_mask.bool() if padding_mask is not None else None
         decoder_real = decoder_padding_mask.bool() if decoder_padding_mask is not None else None
         hidden = self.decoder(self.embedding(decoder_input_ids, None), decoder_real, encoder_output, real)
-        if self.shape.tie_embeddings:  # T5 1.0 rescales before the tied head
+        if self.shape.scale_decoder_output:  # T5 1.0 rescales before its (tied) head
             hidden = hidden * self.shape.hidden_size ** -0.5
-        return self.output_layer(hidden).transpose(0, 1).contiguous()  # [s, b, V/tp] -> [b, s, V/tp]
+        logits = self.output_layer(hidden)  # [s, b, V/tp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()  # [b, s, V/tp]
+        target = labels.clamp(min=0).t()  # [s, b]; padded positions carry -1 and loss_mask 0
+        return vocab_parallel_cross_entropy(logits, target, self.topology, vocab_size=self.shape.vocab_size).t()
+
+
+def shape_from_config(config) -> T5Shape:
+    m = config.model
+    return T5Shape(
+        vocab_size=m.vocab_size, padded_vocab_size=m.padded_vocab_size, hidden_size=m.hidden_size,
+        num_layers=m.num_layers, num_decoder_layers=m.num_decoder_layers, num_attention_heads=m.num_attention_heads,
+        head_dim=m.head_dim, ffn_hidden_size=m.ffn_hidden_size, activation=m.activation,
+        relative_attention_num_buckets=m.relative_attention_num_buckets,
+        relative_attention_max_distance=m.relative_attention_max_distance, norm_eps=m.norm_eps,
+        tie_embeddings=m.tie_embeddings, scale_decoder_output=m.scale_decoder_output, init_std=m.init_std,
+        dropout=m.hidden_dropout,
+    )
+
+
+def build_t5(config, topology, backend: Backend, *, pre_process: bool = True, post_process: bool = True,
+             layer_range=None) -> T5Model:
+    """The whole T5 from a resolved config, initialised from ``config.train.seed`` (the same
+    global weights at every layout)."""
+    model = T5Model(shape_from_config(config), topology, backend, config)
+    initialize_parameters(model, config.train.seed, topology)
+    return model
