@@ -17,3 +17,13 @@ T5 = ["model.family='t5'", "model.activation='gated-gelu'", "model.normalization
 def test_t5_settings_it_cannot_run_are_one_line(mtl, clean_error, tiny_toml, overrides, needles):
     args = [a for o in overrides for a in ("--set", o)]
     clean_error(mtl("train", tiny_toml, *args, "--dry-run"), *needles)
+
+
+def test_dry_run_shows_the_encoder_decoder_and_its_flops(mtl, ok, tiny_toml):
+    from mtl.core.config_io import load_config
+    from mtl.models.t5.flops import flops_per_iteration
+
+    out = ok(mtl("train", tiny_toml, *[a for o in T5 for a in ("--set", o)], "--dry-run"))
+    assert "model (T5Model)" in out and "2 x T5Layer" in out and "relative_position_bias" in out
+    cfg = load_config(tiny_toml, T5).resolve(1, 257)
+    assert f"FLOPs per iteration: {flops_per_iteration(cfg):.4e}" in out

@@ -1,6 +1,6 @@
 """The ``t5`` family trains through ``mtl.train.loop.train`` (what ``mtl train`` runs) like one
 process at tp2 and dp2: the first 3 losses within 1e-5 relative and every gradient within the
-gpt layout tests' tolerances. T5 1.1-shaped (gated GELU, untied head) on mtl-data's ``t5``
+gpt layout tests' tolerances; the dp2 run's checkpoint resumes at tp2 like a straight run. T5 1.1-shaped (gated GELU, untied head) on mtl-data's ``t5``
 dataset (Megatron's span corruption with sentinels) over a sentence-split corpus, with a
 WordPiece vocabulary of T5's real size (32128 rows)."""
 
@@ -11,7 +11,7 @@ import pytest
 from mtl.data.demo_corpus import write_demo_corpus
 from mtl.data.preprocess import preprocess
 from mtl.parallel.testing import run_distributed
-from mtl.train.testing import compare_with_reference, run_tiny, write_sized_wordpiece
+from mtl.train.testing import LOSS_RTOL, compare_with_reference, run_tiny, write_sized_wordpiece
 
 T5_VOCAB = 32128
 ROLES = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
@@ -25,11 +25,14 @@ T5 = [
     "data.dataset='t5'", "data.tokenizer='hf'", "data.split='90,5,5'",
 ]
 LAYOUTS = {"tp2": (2, ["parallel.tp=2"]), "dp2": (2, [])}
+# Every run follows the same 6-step schedule; the layouts stop after 3 (a run's first half).
+FIRST_HALF = ["train.iters=6", "train.exit_interval=3"]
 
 
 def t5_run(overrides, corpus):
     prefix, tokenizer = corpus
-    return run_tiny([*T5, f"data.tokenizer_model='{tokenizer}'", f"data.paths=['{prefix}']", *overrides])
+    with_grads = "train.exit_interval=3" in overrides  # the resume runs need losses only
+    return run_tiny([*T5, f"data.tokenizer_model='{tokenizer}'", f"data.paths=['{prefix}']", *overrides], with_grads)
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +47,31 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(corpus):
-    (result,) = run_distributed(t5_run, 1, args=([], corpus))
+    (result,) = run_distributed(t5_run, 1, args=(FIRST_HALF, corpus))
     assert len(result["losses"]) == 3
     return result
 
 
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tmp_path_factory.mktemp("t5_ckpt") / "ckpt"
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_t5_layout_matches_single_process(layout, reference, corpus):
+def test_t5_layout_matches_single_process(layout, reference, corpus, checkpoint):
     world, overrides = LAYOUTS[layout]
-    compare_with_reference(layout, run_distributed(t5_run, world, args=(overrides, corpus)), reference)
+    save = [f"ckpt.save='{checkpoint}'"] if layout == "dp2" else []  # the resume test's starting point
+    compare_with_reference(layout, run_distributed(t5_run, world, args=([*FIRST_HALF, *overrides, *save], corpus)),
+                           reference)
+
+
+def test_t5_saved_at_dp2_resumes_at_tp2(corpus, checkpoint):
+    """Steps 4-6 resumed at tp2 from the dp2 run's step-3 checkpoint equal a straight 6-step run."""
+    assert checkpoint.exists(), "runs after test_t5_layout_matches_single_process[dp2], which saves it"
+    (straight,) = run_distributed(t5_run, 1, args=(["train.iters=6"], corpus))
+    resumed = run_distributed(t5_run, 2, args=(["train.iters=6", *LAYOUTS["tp2"][1], f"ckpt.save='{checkpoint}'"],
+                                               corpus))
+    losses = next(r["losses"] for r in resumed if r["last_stage"])
+    assert sorted(losses) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert abs(losses[step] - straight["losses"][step]) <= LOSS_RTOL * abs(straight["losses"][step])

@@ -9,6 +9,7 @@ from mtl.core.errors import ConfigError
 from mtl.core.registrations import ModelFamily
 from mtl.models.convert_hf.t5 import t5_converter
 from mtl.models.family_keys import T5_ACTIVATIONS, refuse_other_families_keys
+from mtl.models.t5 import flops
 from mtl.models.t5.model import build_t5
 
 FIELDS = ("text_enc", "text_dec", "labels", "loss_mask", "enc_mask", "dec_mask")
@@ -55,4 +56,5 @@ T5_FAMILY = ModelFamily(
     forward_inputs=t5_forward_inputs,
     check_config=check_t5_config,
     converters={"hf": t5_converter()},
+    flops_per_iteration=flops.flops_per_iteration,  # TFLOP/s and MFU; no per-layer split: no pipeline yet
 )
