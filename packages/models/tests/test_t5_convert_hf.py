@@ -67,5 +67,6 @@ def test_t5_greedy_generation_equals_hf_generate():
     expected = hf.generate(input_ids=source, attention_mask=mask, max_new_tokens=10, do_sample=False, num_beams=1,
                            eos_token_id=1, pad_token_id=0, decoder_start_token_id=0,
                            use_cache=False)  # its cache is sized by num_layers, not num_decoder_layers
-    ours = greedy_generate(model, source, mask, max_new_tokens=10)
+    ours = greedy_generate(model, source, mask, max_new_tokens=10)  # with the KV and cross-attention caches
     assert ours.shape[1] > 4 and torch.equal(ours, expected)
+    assert torch.equal(greedy_generate(model, source, mask, max_new_tokens=10, use_cache=False), expected)

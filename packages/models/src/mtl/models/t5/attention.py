@@ -45,9 +45,10 @@ class CrossAttention(nn.Module):
     of ``linear_kv`` are ``[k | v]`` per head (group-major, as gpt's fused QKV), so a column split
     gives each TP rank whole heads."""
 
-    def __init__(self, *, hidden_size: int, num_attention_heads: int, head_dim: int, init_std: float,
-                 attention_dropout: float, topology, submodules):
+    def __init__(self, *, layer_number: int, hidden_size: int, num_attention_heads: int, head_dim: int,
+                 init_std: float, attention_dropout: float, topology, submodules):
         super().__init__()
+        self.layer_number = layer_number
         tp = topology.tp if topology is not None else 1
         self.local_heads, self.head_dim = num_attention_heads // tp, head_dim
         width = num_attention_heads * head_dim
@@ -63,11 +64,17 @@ class CrossAttention(nn.Module):
             tag_weights(linear, "normal")
         tag_weights(self.linear_proj, "residual_output")
 
-    def forward(self, hidden: torch.Tensor, encoder_output: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, encoder_output: torch.Tensor, inference_context=None) -> torch.Tensor:
+        """``inference_context`` (an ``EncoderDecoderContext``, generation): the encoder's keys and
+        values are projected at the first step and read from it at the others."""
         s, b = hidden.shape[:2]
-        s_enc = encoder_output.shape[0]
         q = self.linear_q(hidden).view(s, b, self.local_heads, self.head_dim)
-        kv = self.linear_kv(encoder_output).view(s_enc, b, self.local_heads, 2, self.head_dim)
-        key, value = kv[:, :, :, 0], kv[:, :, :, 1]
-        context = self.core_attention(*(t.transpose(0, 1) for t in (q, key, value)))  # [b, s, heads, d]
+        cached = inference_context.cross_kv.get(self.layer_number) if inference_context is not None else None
+        if cached is None:
+            s_enc = encoder_output.shape[0]
+            kv = self.linear_kv(encoder_output).view(s_enc, b, self.local_heads, 2, self.head_dim)
+            cached = (kv[:, :, :, 0].transpose(0, 1), kv[:, :, :, 1].transpose(0, 1))  # [b, s_enc, heads, d]
+            if inference_context is not None:
+                inference_context.cross_kv[self.layer_number] = cached
+        context = self.core_attention(q.transpose(0, 1), *cached)  # [b, s, heads, d]
         return self.linear_proj(context.transpose(0, 1).reshape(s, b, self.local_heads * self.head_dim))

@@ -10,7 +10,8 @@ bias, cross-attention, ReLU / gated-GELU MLP).
 
 Each stack holds one position-bias table (T5 keeps it in its first layer and shares it with
 the others). One process, tensor and data parallelism (heads, MLP and vocabulary split over
-TP); not yet sequence, context or pipeline parallelism, nor a KV cache (see the package README).
+TP); not yet sequence, context or pipeline parallelism (see the package README). Generation caches the
+decoder's self-attention keys and values and the cross-attention's (``EncoderDecoderContext``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from mtl.models.gpt.embedding import GPTEmbedding
 from mtl.models.gpt.mlp import MLPSubmodules
 from mtl.models.initialization import initialize_parameters, tag_weights
 from mtl.models.param_layout import mark_vocab_rows
+from mtl.models.gpt.inference_context import InferenceContext
 from mtl.models.t5.attention import BiasedCoreAttention, CrossAttention
 from mtl.models.t5.mlp import T5MLP
 from mtl.models.t5.relative_position import RelativePositionBias
@@ -88,7 +90,7 @@ class T5Layer(nn.Module):
         if cross:
             self.pre_cross_attention_norm = norm()
             self.cross_attention = CrossAttention(
-                **attention, topology=topology,
+                **attention, layer_number=layer_number, topology=topology,
                 submodules=CrossAttentionSubmodules(backend.column_linear, backend.column_linear, core, backend.row_linear),
             )
         self.pre_mlp_norm = norm()
@@ -97,13 +99,15 @@ class T5Layer(nn.Module):
                          topology=topology, submodules=MLPSubmodules(backend.column_linear, backend.row_linear))
         self.dropout = nn.Dropout(shape.dropout)
 
-    def forward(self, hidden, self_bias, encoder_output=None, cross_bias=None):
-        """hidden [s, b, h]; biases [1 or b, heads/tp, s_q, s_kv] -> [s, b, h]."""
+    def forward(self, hidden, self_bias, encoder_output=None, cross_bias=None, inference_context=None):
+        """hidden [s, b, h]; biases [1 or b, heads/tp, s_q, s_kv] -> [s, b, h]; with an
+        ``inference_context`` the self-attention's keys and values join the cache (gpt's)."""
         self.self_attention.core_attention.set_bias(self_bias)
-        hidden = hidden + self.dropout(self.self_attention(self.input_norm(hidden), None))
+        hidden = hidden + self.dropout(self.self_attention(self.input_norm(hidden), None, inference_context))
         if self.cross_attention is not None:
             self.cross_attention.core_attention.set_bias(cross_bias)
-            hidden = hidden + self.dropout(self.cross_attention(self.pre_cross_attention_norm(hidden), encoder_output))
+            hidden = hidden + self.dropout(self.cross_attention(self.pre_cross_attention_norm(hidden), encoder_output,
+                                                                inference_context))
         self.self_attention.core_attention.set_bias(None)
         if self.cross_attention is not None:
             self.cross_attention.core_attention.set_bias(None)
@@ -123,12 +127,16 @@ class T5Stack(nn.Module):
         self.decoder = decoder
         self.dropout = nn.Dropout(shape.dropout)
 
-    def forward(self, hidden, key_padding: torch.Tensor | None, encoder_output=None, encoder_padding=None):
-        """hidden [s, b, h]; paddings [b, s] bool (True: a real token) -> [s, b, h]."""
+    def forward(self, hidden, key_padding: torch.Tensor | None, encoder_output=None, encoder_padding=None,
+                inference_context=None):
+        """hidden [s, b, h]; paddings [b, s] bool (True: a real token) -> [s, b, h]. With an
+        ``inference_context`` (decoder) the queries are the ``s`` tokens after the cached ones."""
         s = hidden.shape[0]
-        bias = self.relative_position_bias(s, s)  # [1, heads/tp, s, s]
+        offset = inference_context.sequence_offset if inference_context is not None else 0
+        bias = self.relative_position_bias(s, offset + s, offset)  # [1, heads/tp, s, offset + s]
         if self.decoder:
-            bias = bias.masked_fill(~torch.ones(s, s, dtype=torch.bool, device=bias.device).tril(), MASKED)
+            causal = torch.ones(s, offset + s, dtype=torch.bool, device=bias.device).tril(diagonal=offset)
+            bias = bias.masked_fill(~causal, MASKED)
         if key_padding is not None:
             bias = bias.masked_fill(~key_padding[:, None, None, :], MASKED)  # -> [b, heads/tp, s, s]
         cross_bias = None
@@ -137,11 +145,24 @@ class T5Stack(nn.Module):
                 ~encoder_padding, MASKED)[:, None, None, :]  # [b, 1, 1, s_enc]
         hidden = self.dropout(hidden)
         for layer in self.layers.values():
-            hidden = layer(hidden, bias, encoder_output, cross_bias)
+            hidden = layer(hidden, bias, encoder_output, cross_bias, inference_context)
         return self.dropout(self.final_norm(hidden))
 
 
 MASKED = torch.finfo(torch.float32).min  # as HF: a masked score is the lowest float, not -inf
+
+
+class EncoderDecoderContext(InferenceContext):
+    """gpt's self-attention KV cache, plus each decoder layer's cross-attention keys and values
+    (projected from the encoder output once, at the first step)."""
+
+    def __init__(self, max_batch_size: int, max_sequence_length: int):
+        super().__init__(max_batch_size, max_sequence_length)
+        self.cross_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def reset(self) -> None:
+        super().reset()
+        self.cross_kv.clear()
 
 
 class T5Model(nn.Module):
@@ -184,13 +205,17 @@ class T5Model(nn.Module):
         """input_ids [b, s_enc], decoder_input_ids [b, s_dec] -> logits [b, s_dec, V/tp], or with
         ``labels`` [b, s_dec] (-1 on padding) the per-token fp32 loss [b, s_dec]. T5's positions
         are relative: ``position_ids`` is not read. ``encoder_output`` [s_enc, b, h] skips the encoder."""
-        if inference_context is not None:
-            raise ConfigError("model.family = 't5' generates with mtl.models.t5.generate (no KV-cache context yet)")
+        if inference_context is not None and not isinstance(inference_context, EncoderDecoderContext):
+            raise ConfigError("model.family = 't5' decodes with an mtl.models.t5.generate.EncoderDecoderContext "
+                              "(it also caches the cross-attention's keys and values)")
         if encoder_output is None:
             encoder_output = self.encode(input_ids, padding_mask)
         real = padding_mask.bool() if padding_mask is not None else None
         decoder_real = decoder_padding_mask.bool() if decoder_padding_mask is not None else None
-        hidden = self.decoder(self.embedding(decoder_input_ids, None), decoder_real, encoder_output, real)
+        hidden = self.decoder(self.embedding(decoder_input_ids, None), decoder_real, encoder_output, real,
+                              inference_context)
+        if inference_context is not None:
+            inference_context.advance(decoder_input_ids.shape[1])
         if self.shape.scale_decoder_output:  # T5 1.0 rescales before its (tied) head
             hidden = hidden * self.shape.hidden_size ** -0.5
         logits = self.output_layer(hidden)  # [s, b, V/tp]
