@@ -94,10 +94,9 @@ class ModelConfig:
     binary_head: bool = False  # bert: a pooler on the first token and a 2-way head (NSP / sentence order), trained on is_random
     # t5: decoder layers (the encoder has num_layers); derived: = num_layers
     num_decoder_layers: int | None = None
-    # t5: buckets of the relative position bias (half per direction in the encoder) and the
-    # distance past which all share the last one (T5's 32 and 128)
+    # t5: buckets of the relative position bias (half per direction in the encoder; T5's 32)
     relative_attention_num_buckets: int = 32
-    relative_attention_max_distance: int = 128
+    relative_attention_max_distance: int = 128  # t5: distances from this on share the last bucket (T5's 128)
     # t5: multiply the decoder output by hidden_size**-0.5 before the LM head (T5 1.0, whose head
     # is the embedding; T5 1.1 and Flan-T5 do not)
     scale_decoder_output: bool = False
