@@ -89,6 +89,7 @@ class Backend:
     check_available: Callable[[], None] | None = None
     fp8_compiles: bool = True
     check_config: Callable[[Any], None] | None = None
+    generate: Callable[..., Any] | None = None
 
 
 FP8_RECIPES = ("current", "delayed", "rowwise", "blockwise")
@@ -161,6 +162,10 @@ class ModelFamily:
       ``"loss"`` (each averaged over micro-batches and data-parallel ranks and logged). Without
       it the output is the per-token loss, averaged over ``batch["loss_mask"]``. With it the last
       stage may return whatever it takes (e.g. a dict of per-token terms).
+    - ``generate(model, prompt_ids, max_new_tokens, *, temperature, top_k, eod, seed) -> list[int]``
+      (optional): ``mtl generate`` for a family whose output is an answer to the prompt (an
+      encoder-decoder), printed alone; without it the prompt is continued by gpt's KV-cache
+      sampling (``mtl.models.generate``) and printed with its continuation.
     - ``check_config(config) -> None`` (optional): raises ``mtl.core.errors.ConfigError`` naming
       the key and what to set, for settings the family cannot build or would ignore; called by
       ``RunConfig.resolve`` before any work (as ``Backend.check_config``).
@@ -184,6 +189,7 @@ class ModelFamily:
     forward_inputs: Callable[[Any], dict] | None = None
     loss: Callable[..., Any] | None = None
     check_config: Callable[[Any], None] | None = None
+    generate: Callable[..., Any] | None = None
 
 
 @dataclass(frozen=True)

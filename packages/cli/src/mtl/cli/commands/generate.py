@@ -22,7 +22,8 @@ import click
               help="A committed iteration of CHECKPOINT other than its latest.")
 def generate(checkpoint, prompt, max_new_tokens, temperature, top_k, seed, device, show_ids, tokenizer,
              tokenizer_model, iteration):
-    """Continue PROMPT with a model loaded from CHECKPOINT (KV-cached decoding).
+    """Continue PROMPT with a model loaded from CHECKPOINT (KV-cached decoding); an
+    encoder-decoder (t5) answers it instead, and only the answer is printed.
 
     CHECKPOINT is a checkpoint directory (ckpt.save of a run, or `mtl convert` output); its
     latest iteration is read unless --iteration names another."""

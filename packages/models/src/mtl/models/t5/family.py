@@ -10,6 +10,7 @@ from mtl.core.registrations import ModelFamily
 from mtl.models.convert_hf.t5 import t5_converter
 from mtl.models.family_keys import T5_ACTIVATIONS, refuse_other_families_keys
 from mtl.models.t5 import flops
+from mtl.models.t5.generate import t5_generate
 from mtl.models.t5.model import build_t5
 
 FIELDS = ("text_enc", "text_dec", "labels", "loss_mask", "enc_mask", "dec_mask")
@@ -57,4 +58,5 @@ T5_FAMILY = ModelFamily(
     check_config=check_t5_config,
     converters={"hf": t5_converter()},
     flops_per_iteration=flops.flops_per_iteration,  # TFLOP/s and MFU; no per-layer split: no pipeline yet
+    generate=t5_generate,
 )
