@@ -117,3 +117,22 @@ def clean_error():
 @pytest.fixture
 def jsonl():
     return write_jsonl
+
+
+def make_word_tokenizer(size: int):
+    """A Hugging Face fast tokenizer of WordPiece [PAD] [UNK] [CLS] [SEP] [MASK] and the words
+    w0, w1, ... (``size`` tokens in all): small checkpoints' tokenizer files in conversion tests."""
+    import transformers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordPiece
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *(f"w{i}" for i in range(size - 5))]
+    inner = Tokenizer(WordPiece({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    inner.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="[UNK]", pad_token="[PAD]",
+                                                cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+
+
+@pytest.fixture
+def word_tokenizer():
+    return make_word_tokenizer

@@ -57,33 +57,24 @@ def converter_formats() -> dict[str, list[str]]:
 
 
 def _family_for(fmt: str, family: str | None, src_dir: Path | None = None) -> str:
+    """The family whose ``fmt`` converter reads ``src_dir``: ``family`` if given; else the only
+    one with such a converter, or among several the one whose converter ``accepts(src_dir)``
+    (the hf converters of gpt and bert tell their architectures apart by config.json)."""
     formats = converter_formats()
     if fmt not in formats:
         known = ", ".join(sorted(formats)) or "none"
         raise ConfigError(f"no model family registers a '{fmt}' converter (installed converters: {known})")
     if family is None:
-        if len(formats[fmt]) > 1 and src_dir is not None:
-            family = _family_reading(fmt, formats[fmt], src_dir)
-        if family is None and len(formats[fmt]) > 1:
-            raise ConfigError(f"model families {', '.join(formats[fmt])} all have a '{fmt}' converter; pick one with --family")
-        return family or formats[fmt][0]
+        candidates = formats[fmt]
+        if len(candidates) > 1 and src_dir is not None:
+            candidates = [name for name in candidates
+                          if getattr(_converter(name, fmt), "accepts", lambda src: True)(src_dir)] or candidates
+        if len(candidates) > 1:
+            raise ConfigError(f"model families {', '.join(candidates)} all have a '{fmt}' converter; pick one with --family")
+        return candidates[0]
     if family not in formats[fmt]:
         raise ConfigError(f"model family '{family}' has no '{fmt}' converter (families with one: {', '.join(formats[fmt])})")
     return family
-
-
-def _family_reading(fmt: str, families: list[str], src_dir: Path) -> str | None:
-    """The one family whose ``fmt`` converter lists the source's ``model_type`` (config.json) among
-    its ``architectures`` (gpt's converter reads llama, the hybrid family's mamba2); None if not one."""
-    config_path = src_dir / "config.json"
-    if not config_path.is_file():
-        return None
-    try:
-        model_type = json.loads(config_path.read_text()).get("model_type")
-    except (json.JSONDecodeError, AttributeError):
-        return None
-    readers = [f for f in families if model_type in getattr(_converter(f, fmt), "architectures", ())]
-    return readers[0] if len(readers) == 1 else None
 
 
 def _converter(family: str, fmt: str):

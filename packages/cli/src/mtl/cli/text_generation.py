@@ -10,6 +10,7 @@ from pathlib import Path
 
 from mtl.core.device import parse_device
 from mtl.core.errors import ConfigError, NotInstalledError
+from mtl.core.plugins import registry
 from mtl.models.generate import generate
 from mtl.train.inference import load_for_inference
 
@@ -75,6 +76,11 @@ def generate_from_checkpoint(checkpoint: str, prompt: str, *, max_new_tokens: in
     prompt_ids = tokenizer.encode(prompt)
     if not prompt_ids:
         raise ConfigError(f"--prompt {prompt!r} encodes to no tokens; give a non-empty prompt")
+    family_generate = registry("model family").get(cfg.model.family).generate
+    if family_generate is not None:  # an answer to the prompt (t5): printed alone
+        new_ids = family_generate(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                                  eod=tokenizer.eod, seed=seed)
+        return Generation(tokenizer.decode(new_ids), list(prompt_ids), list(new_ids))
     new_ids = generate(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
                        eod=tokenizer.eod, seed=seed)
     return Generation(prompt + continuation_text(tokenizer, prompt_ids, new_ids), list(prompt_ids), list(new_ids))

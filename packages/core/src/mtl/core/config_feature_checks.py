@@ -1,6 +1,7 @@
 """The checks of the optional features (the backend, async TP, CUDA graphs, the attention kernel),
 on the derived config: each refused, before any work, where it cannot run with the rest, naming
-the setting in the way and the key to change. What only a backend knows (whether Transformer
+the setting in the way and the key to change. What only a model family knows (which model keys
+it reads) it says through ``ModelFamily.check_config``; what only a backend knows (whether Transformer
 Engine is installed, which settings it cannot run) it says itself, through ``Backend.check_config``
 and ``Backend.check_available`` (``mtl.core.registrations``)."""
 
@@ -15,10 +16,23 @@ from mtl.core.errors import ConfigError
 
 def check_features(cfg: Any) -> None:
     m, p, t = cfg.model, cfg.parallel, cfg.train
+    _check_family(cfg)
     _check_backend(cfg)
     check_async_tp(m, p, t)
     check_cuda_graphs(m, p, t)
     check_attention_kernel(m, p, t)
+
+
+def _check_family(cfg: Any) -> None:
+    """The selected model family accepts the settings (its ``check_config``); an unknown family
+    is named when the model is built."""
+    from mtl.core.plugins import registry  # noqa: PLC0415 (plugins imports the hookspecs, not config)
+
+    families = registry("model family")
+    if cfg.model.family in families:
+        family = families.get(cfg.model.family)
+        if family.check_config is not None:
+            family.check_config(cfg)
 
 
 def _check_backend(cfg: Any) -> None:

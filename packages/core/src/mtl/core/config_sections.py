@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.normalization": ("layernorm", "rmsnorm"),
-    "model.activation": ("gelu", "swiglu", "relu2"),
+    "model.activation": ("gelu", "swiglu", "relu2", "relu", "gated-gelu"),
     "model.position_embedding": ("learned", "rope", "none"),
     "model.rope_scaling": ("none", "llama3"),
     "model.moe_router": ("softmax", "sigmoid"),
+    "model.norm_position": ("pre", "post"),
     "train.lr_schedule": ("constant", "linear", "cosine", "wsd"),
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.recompute": ("none", "selective", "full"),
@@ -50,7 +51,8 @@ class ModelConfig:
     max_position_embeddings: int | None = None  # derived: seq_length
     normalization: str = "rmsnorm"
     norm_eps: float = 1e-5
-    # the MLP's: "swiglu" (gated, Llama), "gelu" (GPT-2), "relu2" (squared ReLU, Nemotron-H's dense MLP)
+    # the MLP's: "swiglu" (gated, Llama), "gelu" (GPT-2, BERT), "relu2" (squared ReLU, Nemotron-H's dense
+    # MLP); t5: "relu" (T5 1.0) | "gated-gelu" (T5 1.1, Flan-T5; tanh GELU)
     activation: str = "swiglu"
     # "rope" (rotary), "learned" (a table of max_position_embeddings), "none" (no positions: Nemotron-H's
     # attention, where the Mamba layers carry the order)
@@ -100,6 +102,24 @@ class ModelConfig:
     # the smallest step the scan takes: dt = max(softplus(dt + dt_bias), mamba_dt_min). 0: no floor
     # (Megatron, Mamba2); Nemotron-H's HF model floors it at its time_step_min (0.001)
     mamba_dt_min: float = 0.0
+    # Encoder families (bert). Where each layer's norms sit: "pre" normalises each branch's
+    # input and adds a final norm (Megatron's BERT, every gpt model); "post" normalises after
+    # each residual add and once after the embeddings, with no final norm (original BERT, RoBERTa:
+    # what Hugging Face checkpoints hold). The gpt family is pre-norm only.
+    norm_position: str = "pre"
+    type_vocab_size: int = 0  # bert: rows of the token-type (segment) embedding (BERT 2, RoBERTa 1; 0: none)
+    # bert: learned position ids start here (RoBERTa counts positions from padding_idx + 1 = 2,
+    # so its table has two rows before the first position); the table holds max_position_embeddings + offset rows
+    position_offset: int = 0
+    binary_head: bool = False  # bert: a pooler on the first token and a 2-way head (NSP / sentence order), trained on is_random
+    # t5: decoder layers (the encoder has num_layers); derived: = num_layers
+    num_decoder_layers: int | None = None
+    # t5: buckets of the relative position bias (half per direction in the encoder; T5's 32)
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128  # t5: distances from this on share the last bucket (T5's 128)
+    # t5: multiply the decoder output by hidden_size**-0.5 before the LM head (T5 1.0, whose head
+    # is the embedding; T5 1.1 and Flan-T5 do not)
+    scale_decoder_output: bool = False
 
 
 @dataclass

@@ -89,6 +89,7 @@ class Backend:
     check_available: Callable[[], None] | None = None
     fp8_compiles: bool = True
     check_config: Callable[[Any], None] | None = None
+    generate: Callable[..., Any] | None = None
 
 
 FP8_RECIPES = ("current", "delayed", "rowwise", "blockwise")
@@ -152,6 +153,22 @@ class ModelFamily:
       FLOPs (``parallel.pipeline_split``).
     - ``activation_bytes_per_layer(config) -> float`` (optional): activation memory of one
       layer for one micro-batch on one rank, for ``--dry-run``'s memory estimate.
+    - ``forward_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor]`` (optional): the keyword
+      arguments of the model's forward for one micro-batch of the family's dataset (its field
+      names, e.g. BERT's ``text``, ``types``, ``padding_mask``; the trainer adds ``position_ids``).
+      Without it the trainer passes ``input_ids=tokens``, ``position_ids`` and ``labels`` (gpt's).
+    - ``loss(output, batch, topology) -> (loss, metrics)`` (optional): the last stage's output
+      for one micro-batch reduced to its scalar loss, and a dict of scalar metrics holding
+      ``"loss"`` (each averaged over micro-batches and data-parallel ranks and logged). Without
+      it the output is the per-token loss, averaged over ``batch["loss_mask"]``. With it the last
+      stage may return whatever it takes (e.g. a dict of per-token terms).
+    - ``generate(model, prompt_ids, max_new_tokens, *, temperature, top_k, eod, seed) -> list[int]``
+      (optional): ``mtl generate`` for a family whose output is an answer to the prompt (an
+      encoder-decoder), printed alone; without it the prompt is continued by gpt's KV-cache
+      sampling (``mtl.models.generate``) and printed with its continuation.
+    - ``check_config(config) -> None`` (optional): raises ``mtl.core.errors.ConfigError`` naming
+      the key and what to set, for settings the family cannot build or would ignore; called by
+      ``RunConfig.resolve`` before any work (as ``Backend.check_config``).
     - ``converters``: maps a format name ("hf") to an object with
       ``to_mtl(hf_dir, *, tp=1) -> (model_section: dict, state: dict[str, Tensor])`` (the
       ``[model]`` config keys, and every parameter as a full global tensor with the vocabulary
@@ -169,6 +186,10 @@ class ModelFamily:
     flops_per_iteration: Callable[[Any], float] | None = None
     layer_flops_per_iteration: Callable[[Any], list[float]] | None = None
     activation_bytes_per_layer: Callable[[Any], float] | None = None
+    forward_inputs: Callable[[Any], dict] | None = None
+    loss: Callable[..., Any] | None = None
+    check_config: Callable[[Any], None] | None = None
+    generate: Callable[..., Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -41,12 +41,14 @@ class MicroBatches:
     def __next__(self) -> dict[str, torch.Tensor]:
         indices = next(self._indices)
         batch = collate([self.dataset[i] for i in indices])
-        seq_length = batch["tokens"].shape[1]
-        batch["position_ids"] = torch.arange(seq_length).unsqueeze(0).expand_as(batch["tokens"])
+        # per-token fields are [b, s] (gpt's tokens, BERT's text, ...); per-sample ones [b] (is_random)
+        tokens = next(v for v in batch.values() if v.dim() == 2)
+        batch["position_ids"] = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
         if self.topology.cp > 1:
             from mtl.parallel.context_parallel import split_for_context_parallel
 
-            batch = {k: split_for_context_parallel(v, 1, self.topology) for k, v in batch.items()}
+            batch = {k: split_for_context_parallel(v, 1, self.topology) if v.dim() == 2 else v
+                     for k, v in batch.items()}
         # From pageable memory a copy to the GPU first waits for everything queued before it
         # (CUDA stages it); from pinned memory it is queued like a kernel, so a batch taken
         # while the device still works on the previous step does not stall it. (contiguous:

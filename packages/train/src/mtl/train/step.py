@@ -4,12 +4,13 @@ evaluation pass, over any combination of tp/pp/vpp/cp/dp."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from mtl.core.config import RunConfig
+from mtl.core.plugins import registry
 from mtl.models.moe import set_aux_loss_scale
 from mtl.parallel.topology import Topology
 from mtl.train.cuda_graphs import capture_or_check
@@ -21,33 +22,48 @@ class StepResult:
     loss: float  # mean over the global batch; NaN on ranks that are not the last stage
     grad_norm: float
     skipped: bool
+    metrics: dict = field(default_factory=dict)  # the family's other loss metrics (e.g. mlm_accuracy), last stage
 
 
-def _forward_step_factory(config: RunConfig, device: torch.device, loss_scale: float):
+def _forward_step_factory(config: RunConfig, topology: Topology, device: torch.device, loss_scale: float):
     """The schedule's ``forward_step``: run a chunk on the next micro-batch, return its output
-    and a loss function (used on the last stage only)."""
+    and a loss function (used on the last stage only). The model family says how a batch
+    becomes the forward's keywords and how the output becomes the loss (``ModelFamily``
+    ``forward_inputs`` / ``loss``); without them, gpt's tokens and masked per-token mean."""
     stream_dtype = DTYPES[config.train.params_dtype]
+    family = registry("model family").get(config.model.family)
+    forward_inputs = family.forward_inputs or _token_inputs
+    family_loss = family.loss or _masked_token_mean
 
     def forward_step(batches, model_chunk):
         batch = next(batches)
         with autocast(config.train.precision, device):
-            output = model_chunk(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"])
+            output = model_chunk(**forward_inputs(batch))
         # The residual stream a stage hands to the next has the weights' dtype (fp32 weights
         # under autocast keep an fp32 stream; bf16 weights a bf16 one, as in one process); a
         # backend that returns another dtype is cast to it, so every split sends the same bytes.
         if not getattr(model_chunk, "post_process", False) and output.dtype != stream_dtype:
             output = output.to(stream_dtype)
 
-        def loss_func(per_token_loss):
-            mask = batch["loss_mask"]
-            # Mean over this micro-batch's tokens; the schedule divides by num_micro_batches
-            # and data parallelism averages, so the total is the mean over the global batch.
-            loss = (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1.0)
-            return loss * loss_scale, {"loss": loss.detach()}
+        def loss_func(output):
+            loss, metrics = family_loss(output, batch, topology)
+            return loss * loss_scale, metrics
 
         return output, loss_func
 
     return forward_step
+
+
+def _token_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"input_ids": batch["tokens"], "position_ids": batch["position_ids"], "labels": batch["labels"]}
+
+
+def _masked_token_mean(per_token_loss: torch.Tensor, batch: dict[str, torch.Tensor], topology: Topology):
+    """Mean over this micro-batch's tokens; the schedule divides by num_micro_batches and data
+    parallelism averages, so the total is the mean over the global batch."""
+    mask = batch["loss_mask"]
+    loss = (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1.0)
+    return loss, {"loss": loss.detach()}
 
 
 def _tensor_shape(config: RunConfig) -> tuple[int, int, int]:
@@ -84,17 +100,18 @@ def _run_schedule(config, topology, chunks, batches_per_chunk, forward_step, for
     )
 
 
-def _mean_loss(loss_dicts: list[dict], topology: Topology, device: torch.device) -> torch.Tensor | None:
-    """The micro-batch losses averaged, then over data- and context-parallel ranks (a device
-    scalar; None on a stage without the loss)."""
+def _mean_metrics(loss_dicts: list[dict], topology: Topology, device: torch.device) -> dict[str, torch.Tensor] | None:
+    """Each metric of the micro-batches ("loss", and what the family's loss adds) averaged,
+    then over data- and context-parallel ranks (device scalars; None on a stage without the loss)."""
     if not topology.is_last_stage or not loss_dicts:
         return None
-    loss = torch.stack([d["loss"].float() for d in loss_dicts]).mean().to(device)
+    names = list(loss_dicts[0])
+    means = torch.stack([torch.stack([d[n].float() for d in loss_dicts]).mean() for n in names]).to(device)
     group = topology.group("dp_cp")
     if group is not None:
-        dist.all_reduce(loss, group=group)
-        loss /= dist.get_world_size(group)
-    return loss
+        dist.all_reduce(means, group=group)
+        means /= dist.get_world_size(group)
+    return dict(zip(names, means))
 
 
 @dataclass
@@ -103,14 +120,16 @@ class PendingStep:
     gradient norm (the host waits for the step there) and records the step with the loss
     scaler; call it before the next step, whose loss scale it may change."""
 
-    loss: torch.Tensor | None
+    metrics: dict[str, torch.Tensor] | None
     grad_norm: torch.Tensor
     scaler: LossScaler
 
     def result(self) -> StepResult:
-        loss = self.loss.item() if self.loss is not None else float("nan")
+        metrics = {name: value.item() for name, value in (self.metrics or {}).items()}
+        loss = metrics.pop("loss", float("nan"))
         grad_norm = self.grad_norm.item()
-        return StepResult(loss=loss, grad_norm=grad_norm, skipped=self.scaler.update(not math.isfinite(grad_norm)))
+        return StepResult(loss=loss, grad_norm=grad_norm, skipped=self.scaler.update(not math.isfinite(grad_norm)),
+                          metrics=metrics)
 
 
 def queue_train_step(config: RunConfig, topology: Topology, chunks: list, optimizer, batches_per_chunk,
@@ -125,7 +144,7 @@ def queue_train_step(config: RunConfig, topology: Topology, chunks: list, optimi
         chunk.zero_grad()
         if config.model.num_experts and scaler.dynamic:  # fp16: the routers' losses get the loss scale too
             set_aux_loss_scale(chunk, scaler.scale / config.train.num_micro_batches)
-    forward_step = _forward_step_factory(config, device, scaler.scale)
+    forward_step = _forward_step_factory(config, topology, device, scaler.scale)
     loss_dicts = _run_schedule(config, topology, chunks, batches_per_chunk, forward_step, forward_only=False)
     for chunk in chunks:
         chunk.finish_grad_sync()
@@ -138,9 +157,10 @@ def queue_train_step(config: RunConfig, topology: Topology, chunks: list, optimi
         group["lr"] = lr
     # No host read before the update is queued: clipping and the skip of a non-finite step
     # happen on the device (clip_and_step); PendingStep.result() reads the norm and loss.
-    loss = _mean_loss(loss_dicts, topology, device)
+    metrics = _mean_metrics(loss_dicts, topology, device)
+    loss = metrics["loss"] if metrics is not None else None
     grad_norm, _ = optimizer.clip_and_step(max_norm, skip=_loss_not_finite(loss, topology, device))
-    return PendingStep(loss, grad_norm, scaler)
+    return PendingStep(metrics, grad_norm, scaler)
 
 
 def _loss_not_finite(loss: torch.Tensor | None, topology: Topology, device: torch.device) -> torch.Tensor:
@@ -159,10 +179,10 @@ def eval_step(config: RunConfig, topology: Topology, chunks: list, batches_per_c
     for chunk in chunks:
         chunk.eval()
     try:
-        forward_step = _forward_step_factory(config, device, 1.0)
+        forward_step = _forward_step_factory(config, topology, device, 1.0)
         loss_dicts = _run_schedule(config, topology, chunks, batches_per_chunk, forward_step, forward_only=True)
     finally:
         for chunk in chunks:
             chunk.train()
-    loss = _mean_loss(loss_dicts, topology, device)
-    return loss.item() if loss is not None else float("nan")
+    metrics = _mean_metrics(loss_dicts, topology, device)
+    return metrics["loss"].item() if metrics is not None else float("nan")

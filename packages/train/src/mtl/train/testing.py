@@ -80,6 +80,36 @@ LOSS_RTOL = 1e-5
 GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-4
 
 
+def write_sized_wordpiece(directory, texts: list[str], vocab_size: int, roles: dict[str, str],
+                          extra_specials: tuple[str, ...] = ()):
+    """A lowercase WordPiece ``tokenizer.json`` trained on ``texts``, its vocabulary filled with
+    unused pieces up to ``vocab_size`` (a real model's size: BERT's 30522, T5's 32128), and a
+    ``tokenizer_config.json`` naming its special tokens (``roles``: e.g. {"mask_token": "[MASK]"})
+    as a Hugging Face folder names them. ``extra_specials``: more special tokens (T5's sentinels).
+    Returns the tokenizer.json path."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+    from tokenizers.implementations import BertWordPieceTokenizer
+
+    directory = Path(directory)
+    trained = BertWordPieceTokenizer(lowercase=True)
+    specials = list(dict.fromkeys([*roles.values(), *extra_specials]))
+    trained.train_from_iterator(texts, vocab_size=400 + len(specials), min_frequency=2, special_tokens=specials,
+                                show_progress=False)
+    spec = json.loads(trained.to_str())
+    vocab = spec["model"]["vocab"]
+    for i in range(vocab_size - len(vocab)):
+        vocab[f"[unused{i}]"] = len(vocab)
+    Tokenizer.from_str(json.dumps(spec)).save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "BertTokenizer", **roles}
+    if extra_specials:
+        config["additional_special_tokens"] = list(extra_specials)
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory / "tokenizer.json"
+
+
 def run_tiny(overrides: list[str], with_grads: bool = True) -> dict:
     cfg = load_config(None, [*TINY, *overrides])
     result = train(cfg, progress=False)

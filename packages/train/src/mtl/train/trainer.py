@@ -247,7 +247,7 @@ class Trainer:
             return
         metrics = {"loss": step.loss, "lr": lr, "grad_norm": step.grad_norm,
                    "skipped_steps": self.scaler.skipped_steps, "bad_steps": self.result.bad_steps,
-                   "loss_scale": self.scaler.scale, **throughput(cfg, elapsed), **experts}
+                   "loss_scale": self.scaler.scale, **step.metrics, **throughput(cfg, elapsed), **experts}
         if logged:
             for cb in self.callbacks:
                 cb.on_step(iteration, metrics)

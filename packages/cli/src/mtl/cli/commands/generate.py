@@ -33,7 +33,8 @@ from mtl.core.errors import ConfigError
               help="With --input: the KV-cache pool (see `mtl serve --help`).")
 def generate(checkpoint, prompt, input_path, output_path, max_new_tokens, temperature, top_k, seed, device, show_ids,
              tokenizer, tokenizer_model, iteration, max_batch, kv_memory):
-    """Continue PROMPT with a model loaded from CHECKPOINT (KV-cached decoding), or every prompt
+    """Continue PROMPT with a model loaded from CHECKPOINT (KV-cached decoding; an
+    encoder-decoder (t5) answers it instead, and only the answer is printed), or every prompt
     of --input into --output (continuous batching, with a progress bar).
 
     CHECKPOINT is a checkpoint directory (ckpt.save of a run, or `mtl convert` output); its

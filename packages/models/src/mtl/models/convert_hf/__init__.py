@@ -107,6 +107,10 @@ class HFConverter:
         self.architectures = tuple(self.by_type)
         self.moe_types, self.default = moe_types, default
 
+    def accepts(self, hf_dir: str | Path) -> bool:
+        """Whether ``hf_dir``'s config.json names one of this converter's architectures."""
+        return read_hf_config(hf_dir).get("model_type") in self.by_type
+
     def stream_to_mtl(self, hf_dir: str | Path) -> tuple[dict[str, Any], TensorStream]:
         hf_config = read_hf_config(hf_dir)
         source = str(Path(hf_dir) / "config.json")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from mtl.core.registrations import ModelFamily
+from mtl.models.family_keys import refuse_encoder_keys
 from mtl.models.gpt import flops
 from mtl.models.gpt.model import LayerSpec, build_gpt
 
@@ -24,6 +25,7 @@ def gpt_like_family(
     flops_per_iteration: Callable[[Any], float] = flops.flops_per_iteration,
     layer_flops_per_iteration: Callable[[Any], list[float]] | None = None,
     activation_bytes_per_layer: Callable[[Any], float] = flops.activation_bytes_per_layer,
+    check_config: Callable[[Any], None] | None = refuse_encoder_keys,
 ) -> ModelFamily:
     if layer_flops_per_iteration is None and flops_per_iteration is flops.flops_per_iteration:
         # gpt's per-layer split only where the total is gpt's too: a variant's own count has its own
@@ -37,4 +39,5 @@ def gpt_like_family(
         flops_per_iteration=flops_per_iteration,
         layer_flops_per_iteration=layer_flops_per_iteration,
         activation_bytes_per_layer=activation_bytes_per_layer,
+        check_config=check_config,  # a decoder ignores the encoder's keys: refused when set
     )

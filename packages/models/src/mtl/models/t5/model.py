@@ -1,0 +1,247 @@
+"""``T5Model``: T5's encoder-decoder from gpt's leaves where they fit (embedding, self-attention
+with its fused QKV, the backend's linears and RMS norm) and T5's own pieces (relative position
+bias, cross-attention, ReLU / gated-GELU MLP).
+
+    encoder: embed -> N x [h += self_attn(norm(h)) with the bidirectional position bias;
+             h += mlp(norm(h))] -> final norm
+    decoder: embed -> M x [h += self_attn(norm(h)) with the causal position bias;
+             h += cross_attn(norm(h), encoder output); h += mlp(norm(h))] -> final norm
+    head:    the embedding (tied) or its own table; T5 1.0 scales the decoder output by h^-0.5 first
+
+Each stack holds one position-bias table (T5 keeps it in its first layer and shares it with
+the others). One process, tensor and data parallelism (heads, MLP and vocabulary split over
+TP); not yet sequence, context or pipeline parallelism (see the package README). Generation caches the
+decoder's self-attention keys and values and the cross-attention's (``EncoderDecoderContext``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mtl.core.errors import ConfigError
+from mtl.core.registrations import Backend
+from mtl.core.spec import ModuleSpec, build_module
+from mtl.models.gpt.attention import SelfAttention, SelfAttentionSubmodules
+from mtl.models.gpt.embedding import GPTEmbedding
+from mtl.models.gpt.mlp import MLPSubmodules
+from mtl.models.initialization import initialize_parameters, tag_weights
+from mtl.models.param_layout import mark_vocab_rows
+from mtl.models.gpt.inference_context import InferenceContext
+from mtl.models.t5.attention import BiasedCoreAttention, CrossAttention
+from mtl.models.t5.mlp import T5MLP
+from mtl.models.t5.relative_position import RelativePositionBias
+from mtl.parallel.tensor_parallel import vocab_parallel_cross_entropy
+
+
+@dataclass(frozen=True)
+class T5Shape:
+    """Resolved numbers of one T5 model (what ``convert_hf/t5.py`` reads from a config.json)."""
+
+    vocab_size: int
+    padded_vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_decoder_layers: int
+    num_attention_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    activation: str  # "relu" (T5 1.0) or "gated-gelu" (T5 1.1, Flan-T5)
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    scale_decoder_output: bool = True  # T5 1.0: the decoder output times hidden_size**-0.5 before the head
+    init_std: float = 0.02
+    dropout: float = 0.0
+
+
+@dataclass(frozen=True)
+class CrossAttentionSubmodules:
+    linear_q: object
+    linear_kv: object
+    core_attention: object
+    linear_proj: object
+
+
+class T5Layer(nn.Module):
+    """One encoder (``cross = False``) or decoder layer; pre-norm, residual adds."""
+
+    def __init__(self, shape: T5Shape, backend: Backend, topology, *, layer_number: int, cross: bool):
+        super().__init__()
+
+        def norm():
+            return backend.norm(shape.hidden_size, kind="rmsnorm", eps=shape.norm_eps)
+
+        attention = dict(hidden_size=shape.hidden_size, num_attention_heads=shape.num_attention_heads,
+                         head_dim=shape.head_dim, init_std=shape.init_std, attention_dropout=shape.dropout)
+        core = ModuleSpec(BiasedCoreAttention)
+        self.input_norm = norm()
+        self.self_attention = build_module(
+            ModuleSpec(SelfAttention, dict(attention, num_query_groups=shape.num_attention_heads, bias=False,
+                                           qkv_bias=False, output_init_std=shape.init_std, sequence_parallel=False,
+                                           recompute_core_attention=False),
+                       SelfAttentionSubmodules(backend.column_linear, core, backend.row_linear)),
+            layer_number=layer_number, topology=topology,
+        )
+        self.cross_attention = None
+        if cross:
+            self.pre_cross_attention_norm = norm()
+            self.cross_attention = CrossAttention(
+                **attention, layer_number=layer_number, topology=topology,
+                submodules=CrossAttentionSubmodules(backend.column_linear, backend.column_linear, core, backend.row_linear),
+            )
+        self.pre_mlp_norm = norm()
+        self.mlp = T5MLP(hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
+                         activation=shape.activation, init_std=shape.init_std, output_init_std=shape.init_std,
+                         topology=topology, submodules=MLPSubmodules(backend.column_linear, backend.row_linear))
+        self.dropout = nn.Dropout(shape.dropout)
+
+    def forward(self, hidden, self_bias, encoder_output=None, cross_bias=None, inference_context=None):
+        """hidden [s, b, h]; biases [1 or b, heads/tp, s_q, s_kv] -> [s, b, h]; with an
+        ``inference_context`` the self-attention's keys and values join the cache (gpt's)."""
+        self.self_attention.core_attention.set_bias(self_bias)
+        hidden = hidden + self.dropout(self.self_attention(self.input_norm(hidden), None, inference_context))
+        if self.cross_attention is not None:
+            self.cross_attention.core_attention.set_bias(cross_bias)
+            hidden = hidden + self.dropout(self.cross_attention(self.pre_cross_attention_norm(hidden), encoder_output,
+                                                                inference_context))
+        self.self_attention.core_attention.set_bias(None)
+        if self.cross_attention is not None:
+            self.cross_attention.core_attention.set_bias(None)
+        return hidden + self.dropout(self.mlp(self.pre_mlp_norm(hidden)))
+
+
+class T5Stack(nn.Module):
+    def __init__(self, shape: T5Shape, backend: Backend, topology, *, decoder: bool):
+        super().__init__()
+        count = shape.num_decoder_layers if decoder else shape.num_layers
+        self.relative_position_bias = RelativePositionBias(
+            num_buckets=shape.relative_attention_num_buckets, max_distance=shape.relative_attention_max_distance,
+            num_heads=shape.num_attention_heads, bidirectional=not decoder, topology=topology)
+        self.layers = nn.ModuleDict({str(i): T5Layer(shape, backend, topology, layer_number=i, cross=decoder)
+                                     for i in range(count)})
+        self.final_norm = backend.norm(shape.hidden_size, kind="rmsnorm", eps=shape.norm_eps)
+        self.decoder = decoder
+        self.dropout = nn.Dropout(shape.dropout)
+
+    def forward(self, hidden, key_padding: torch.Tensor | None, encoder_output=None, encoder_padding=None,
+                inference_context=None):
+        """hidden [s, b, h]; paddings [b, s] bool (True: a real token) -> [s, b, h]. With an
+        ``inference_context`` (decoder) the queries are the ``s`` tokens after the cached ones."""
+        s = hidden.shape[0]
+        offset = inference_context.sequence_offset if inference_context is not None else 0
+        bias = self.relative_position_bias(s, offset + s, offset)  # [1, heads/tp, s, offset + s]
+        if self.decoder:
+            causal = torch.ones(s, offset + s, dtype=torch.bool, device=bias.device).tril(diagonal=offset)
+            bias = bias.masked_fill(~causal, MASKED)
+        if key_padding is not None:
+            bias = bias.masked_fill(~key_padding[:, None, None, :], MASKED)  # -> [b, heads/tp, s, s]
+        cross_bias = None
+        if self.decoder and encoder_padding is not None:
+            cross_bias = torch.zeros(encoder_padding.shape, device=hidden.device).masked_fill(
+                ~encoder_padding, MASKED)[:, None, None, :]  # [b, 1, 1, s_enc]
+        hidden = self.dropout(hidden)
+        for layer in self.layers.values():
+            hidden = layer(hidden, bias, encoder_output, cross_bias, inference_context)
+        return self.dropout(self.final_norm(hidden))
+
+
+MASKED = torch.finfo(torch.float32).min  # as HF: a masked score is the lowest float, not -inf
+
+
+class EncoderDecoderContext(InferenceContext):
+    """gpt's self-attention KV cache, plus each decoder layer's cross-attention keys and values
+    (projected from the encoder output once, at the first step)."""
+
+    def __init__(self, max_batch_size: int, max_sequence_length: int):
+        super().__init__(max_batch_size, max_sequence_length)
+        self.cross_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def reset(self) -> None:
+        super().reset()
+        self.cross_kv.clear()
+
+
+class T5Model(nn.Module):
+    """Follows ``mtl.core.model_protocol.LanguageModel`` as one stage holding the whole model
+    (``pre_process`` and ``post_process``; the t5 family refuses pipeline parallelism for now)."""
+
+    pre_process = post_process = True
+
+    def __init__(self, shape: T5Shape, topology, backend: Backend, config=None):
+        super().__init__()
+        self.shape, self.topology, self.config = shape, topology, config
+        self.embedding = GPTEmbedding(padded_vocab_size=shape.padded_vocab_size, hidden_size=shape.hidden_size,
+                                      max_position_embeddings=None, init_std=shape.init_std, hidden_dropout=0.0,
+                                      sequence_parallel=False, topology=topology)
+        mark_vocab_rows(self.embedding.word_embeddings.weight, shape.vocab_size)
+        self.encoder = T5Stack(shape, backend, topology, decoder=False)
+        self.decoder = T5Stack(shape, backend, topology, decoder=True)
+        self.output_layer = backend.column_linear(shape.hidden_size, shape.padded_vocab_size, bias=False,
+                                                  init_std=shape.init_std, topology=topology, gather_output=False)
+        tag_weights(self.output_layer, "normal")
+        mark_vocab_rows(self.output_layer.weight, shape.vocab_size)
+        if shape.tie_embeddings:
+            self.output_layer.weight = self.embedding.word_embeddings.weight
+
+    def compile_units(self) -> list[nn.Module]:
+        return [*self.encoder.layers.values(), *self.decoder.layers.values()]
+
+    def set_input_tensor(self, input_tensor: torch.Tensor) -> None:
+        raise ConfigError("model.family = 't5' runs as one pipeline stage (parallel.pp = 1)")
+
+    def encode(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [b, s_enc], padding_mask [b, s_enc] (1: a real token) -> [s_enc, b, h]."""
+        real = padding_mask.bool() if padding_mask is not None else None
+        return self.encoder(self.embedding(input_ids, None), real)
+
+    def forward(self, input_ids: torch.Tensor, position_ids=None, labels: torch.Tensor | None = None,
+                inference_context=None, *, decoder_input_ids: torch.Tensor, padding_mask: torch.Tensor | None = None,
+                decoder_padding_mask: torch.Tensor | None = None,
+                encoder_output: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [b, s_enc], decoder_input_ids [b, s_dec] -> logits [b, s_dec, V/tp], or with
+        ``labels`` [b, s_dec] (-1 on padding) the per-token fp32 loss [b, s_dec]. T5's positions
+        are relative: ``position_ids`` is not read. ``encoder_output`` [s_enc, b, h] skips the encoder."""
+        if inference_context is not None and not isinstance(inference_context, EncoderDecoderContext):
+            raise ConfigError("model.family = 't5' decodes with an mtl.models.t5.generate.EncoderDecoderContext "
+                              "(it also caches the cross-attention's keys and values)")
+        if encoder_output is None:
+            encoder_output = self.encode(input_ids, padding_mask)
+        real = padding_mask.bool() if padding_mask is not None else None
+        decoder_real = decoder_padding_mask.bool() if decoder_padding_mask is not None else None
+        hidden = self.decoder(self.embedding(decoder_input_ids, None), decoder_real, encoder_output, real,
+                              inference_context)
+        if inference_context is not None:
+            inference_context.advance(decoder_input_ids.shape[1])
+        if self.shape.scale_decoder_output:  # T5 1.0 rescales before its (tied) head
+            hidden = hidden * self.shape.hidden_size ** -0.5
+        logits = self.output_layer(hidden)  # [s, b, V/tp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()  # [b, s, V/tp]
+        target = labels.clamp(min=0).t()  # [s, b]; padded positions carry -1 and loss_mask 0
+        return vocab_parallel_cross_entropy(logits, target, self.topology, vocab_size=self.shape.vocab_size).t()
+
+
+def shape_from_config(config) -> T5Shape:
+    m = config.model
+    return T5Shape(
+        vocab_size=m.vocab_size, padded_vocab_size=m.padded_vocab_size, hidden_size=m.hidden_size,
+        num_layers=m.num_layers, num_decoder_layers=m.num_decoder_layers, num_attention_heads=m.num_attention_heads,
+        head_dim=m.head_dim, ffn_hidden_size=m.ffn_hidden_size, activation=m.activation,
+        relative_attention_num_buckets=m.relative_attention_num_buckets,
+        relative_attention_max_distance=m.relative_attention_max_distance, norm_eps=m.norm_eps,
+        tie_embeddings=m.tie_embeddings, scale_decoder_output=m.scale_decoder_output, init_std=m.init_std,
+        dropout=m.hidden_dropout,
+    )
+
+
+def build_t5(config, topology, backend: Backend, *, pre_process: bool = True, post_process: bool = True,
+             layer_range=None) -> T5Model:
+    """The whole T5 from a resolved config, initialised from ``config.train.seed`` (the same
+    global weights at every layout)."""
+    model = T5Model(shape_from_config(config), topology, backend, config)
+    initialize_parameters(model, config.train.seed, topology)
+    return model

@@ -1,0 +1,77 @@
+"""The ``t5`` family trains through ``mtl.train.loop.train`` (what ``mtl train`` runs) like one
+process at tp2 and dp2: the first 3 losses within 1e-5 relative and every gradient within the
+gpt layout tests' tolerances; the dp2 run's checkpoint resumes at tp2 like a straight run. T5 1.1-shaped (gated GELU, untied head) on mtl-data's ``t5``
+dataset (Megatron's span corruption with sentinels) over a sentence-split corpus, with a
+WordPiece vocabulary of T5's real size (32128 rows)."""
+
+import json
+
+import pytest
+
+from mtl.data.demo_corpus import write_demo_corpus
+from mtl.data.preprocess import preprocess
+from mtl.parallel.testing import run_distributed
+from mtl.train.testing import LOSS_RTOL, compare_with_reference, run_tiny, write_sized_wordpiece
+
+T5_VOCAB = 32128
+ROLES = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
+         "mask_token": "[MASK]", "bos_token": "[BOS]", "eos_token": "[EOS]"}
+SENTINELS = tuple(f"<extra_id_{i}>" for i in range(40))
+T5 = [
+    "model.family='t5'", "model.activation='gated-gelu'", "model.tie_embeddings=false", "model.normalization='rmsnorm'",
+    "model.norm_eps=1e-6", "model.bias=false", "model.num_query_groups=4", "model.ffn_hidden_size=48",
+    "model.num_layers=2", "model.num_decoder_layers=2", "model.seq_length=32", "data.decoder_seq_length=16",
+    "model.relative_attention_num_buckets=8", "model.relative_attention_max_distance=20",
+    "data.dataset='t5'", "data.tokenizer='hf'", "data.split='90,5,5'",
+]
+LAYOUTS = {"tp2": (2, ["parallel.tp=2"]), "dp2": (2, [])}
+# Every run follows the same 6-step schedule; the layouts stop after 3 (a run's first half).
+FIRST_HALF = ["train.iters=6", "train.exit_interval=3"]
+
+
+def t5_run(overrides, corpus):
+    prefix, tokenizer = corpus
+    with_grads = "train.exit_interval=3" in overrides  # the resume runs need losses only
+    return run_tiny([*T5, f"data.tokenizer_model='{tokenizer}'", f"data.paths=['{prefix}']", *overrides], with_grads)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("t5_corpus")
+    jsonl = write_demo_corpus(str(root / "corpus.jsonl"), num_docs=200, seed=4)
+    texts = [json.loads(line)["text"] for line in open(jsonl, encoding="utf-8")]
+    tokenizer = str(write_sized_wordpiece(root, texts, T5_VOCAB, ROLES, SENTINELS))
+    preprocess(jsonl, str(root / "corpus"), "hf", tokenizer, progress=False, split_sentences=True)
+    return str(root / "corpus"), tokenizer
+
+
+@pytest.fixture(scope="module")
+def reference(corpus):
+    (result,) = run_distributed(t5_run, 1, args=(FIRST_HALF, corpus))
+    assert len(result["losses"]) == 3
+    return result
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tmp_path_factory.mktemp("t5_ckpt") / "ckpt"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_t5_layout_matches_single_process(layout, reference, corpus, checkpoint):
+    world, overrides = LAYOUTS[layout]
+    save = [f"ckpt.save='{checkpoint}'"] if layout == "dp2" else []  # the resume test's starting point
+    compare_with_reference(layout, run_distributed(t5_run, world, args=([*FIRST_HALF, *overrides, *save], corpus)),
+                           reference)
+
+
+def test_t5_saved_at_dp2_resumes_at_tp2(corpus, checkpoint):
+    """Steps 4-6 resumed at tp2 from the dp2 run's step-3 checkpoint equal a straight 6-step run."""
+    assert checkpoint.exists(), "runs after test_t5_layout_matches_single_process[dp2], which saves it"
+    (straight,) = run_distributed(t5_run, 1, args=(["train.iters=6"], corpus))
+    resumed = run_distributed(t5_run, 2, args=(["train.iters=6", *LAYOUTS["tp2"][1], f"ckpt.save='{checkpoint}'"],
+                                               corpus))
+    losses = next(r["losses"] for r in resumed if r["last_stage"])
+    assert sorted(losses) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert abs(losses[step] - straight["losses"][step]) <= LOSS_RTOL * abs(straight["losses"][step])
