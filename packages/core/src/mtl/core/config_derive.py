@@ -93,7 +93,9 @@ def _derive_model(m: ModelConfig, p: ParallelConfig, tokenizer_vocab_size: int |
             m.ffn_hidden_size = 4 * m.hidden_size
     if m.max_position_embeddings is None:
         m.max_position_embeddings = m.seq_length
-    if m.num_decoder_layers is None:  # an encoder-decoder (t5) has as many decoder layers as encoder ones
+    # an encoder-decoder (t5) has as many decoder layers as encoder ones; other families have no
+    # decoder stack, so the key stays unset there (and out of their config diffs)
+    if m.num_decoder_layers is None and m.family == "t5":
         m.num_decoder_layers = m.num_layers
     if m.vocab_size is None:
         if tokenizer_vocab_size is None:
