@@ -54,6 +54,7 @@ class DecodeStep:
         self.max_blocks = max_blocks  # one full context
         self.scratch_block = scratch_block  # padding rows write here and padded tables point here
         self.device = device
+        self.compiled = compile
         self.cuda_graphs = compile and device.type == "cuda"
         self._forward = self._logits
         if compile:
