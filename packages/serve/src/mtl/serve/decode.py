@@ -7,9 +7,9 @@ needs one row of logits per sequence, not 2,000 rows of ``vocab`` columns.
 ``DecodeStep`` runs steps where every sequence adds one token. The batch is padded to a power
 of two (1, 2, 4 ... 64 ...) and the widest block table to a power of two of blocks (capped at
 one full context), padding pointing at the pool's scratch block, so a step's shapes take few
-values. Compiled (``--compile``, on by default on CUDA with TP 1), each pair of buckets is one
-static graph, and on CUDA ``mode="reduce-overhead"`` replays it as a CUDA graph: no Python and
-no kernel launches per layer once a bucket has been seen."""
+values. Compiled (``--compile``, on by default on CUDA with TP 1; on CUDA with
+``mode="reduce-overhead"``), each bucket pair is recorded once as a CUDA graph and replayed: no
+Python and no kernel launches per layer once a bucket has been seen."""
 
 from __future__ import annotations
 
@@ -63,11 +63,13 @@ class DecodeStep:
             for cache in (*pool.keys, *pool.values):
                 # the pool is written in place by every graph: a fixed address, not an input to copy
                 torch._dynamo.mark_static_address(cache)
-            # one graph per bucket pair is expected, not a sign of shapes that never settle
+            # dynamo's automatic dynamic shapes: the first bucket compiles static, the second a graph
+            # with a symbolic batch and width that later buckets reuse (sizes of 1 stay their own
+            # graphs); CUDA graphs are still recorded per bucket, the shapes their replay needs.
+            # The limit only matters if that ever falls back to one graph per bucket.
             buckets = len(decode_buckets(max_batch, max_blocks))
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, buckets)
-            self._forward = torch.compile(self._logits, dynamic=False,
-                                          mode="reduce-overhead" if self.cuda_graphs else None)
+            self._forward = torch.compile(self._logits, mode="reduce-overhead" if self.cuda_graphs else None)
 
     def __call__(self, plan: StepPlan) -> torch.Tensor:
         """logits [batch, V/tp] of a decode-only plan, in its sequences' order."""
@@ -86,5 +88,5 @@ class DecodeStep:
 
     def _logits(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         slots = table_slots(tables, tables.shape[1] * self.block_size, self.block_size)
-        context = DecodeAttention(self.pool, slots, positions)
+        context = DecodeAttention(self.pool, slots, positions, fused=self.compiled)
         return forward_rows(self.model, ids.unsqueeze(0), positions.unsqueeze(0), context, None).float()

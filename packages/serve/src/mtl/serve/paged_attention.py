@@ -57,6 +57,15 @@ def table_slots(tables: torch.Tensor, num_keys: int, block_size: int) -> torch.T
     return tables[:, key_pos // block_size] * block_size + key_pos % block_size
 
 
+def gathered_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+    """q [B, heads, Q, d] over the cached keys/values at ``slots`` [B, K] -> [B, heads, Q, d];
+    ``mask`` [B, 1, Q, K] is True where a query sees a key."""
+    k = keys[slots].transpose(1, 2).to(q.dtype)  # [B, groups, K, d]
+    v = values[slots].transpose(1, 2).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
 class PagedContext:
     """A step with prompt chunks: the padded ``[B, Q, K]`` attention."""
 
@@ -93,9 +102,7 @@ class PagedContext:
         keys[self.write_slots] = key[0].to(keys.dtype)
         values[self.write_slots] = value[0].to(values.dtype)
         q = query[0][self.query_rows].transpose(1, 2)  # [B, heads, Q, d]
-        k = keys[self.key_slots].transpose(1, 2).to(q.dtype)  # [B, groups, K, d]
-        v = values[self.key_slots].transpose(1, 2).to(q.dtype)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=q.shape[1] != k.shape[1])
+        out = gathered_attention(q, keys, values, self.key_slots, self.mask)
         batch, heads, chunk, head_dim = out.shape
         out = out.transpose(1, 2).reshape(batch * chunk, heads, head_dim)
         return out[self.valid].unsqueeze(0)  # [1, T, heads, d]
@@ -106,10 +113,13 @@ class PagedContext:
 
 class DecodeAttention:
     """One new token per sequence: ``slots`` [B, K] are each sequence's cache slots (padded
-    tables point at the pool's scratch block), ``positions`` [B] its new token's place."""
+    tables point at the pool's scratch block), ``positions`` [B] its new token's place.
+    ``fused``: the form a compiled graph fuses (below); eagerly, SDPA over the gathered keys,
+    whose temporaries are smaller."""
 
-    def __init__(self, pool: KVPool, slots: torch.Tensor, positions: torch.Tensor):
+    def __init__(self, pool: KVPool, slots: torch.Tensor, positions: torch.Tensor, fused: bool):
         self.pool = pool
+        self.fused = fused
         self.slots = slots
         self.write_slots = slots.gather(1, positions.unsqueeze(1)).squeeze(1)  # [B]
         key_pos = torch.arange(slots.shape[1], device=slots.device)
@@ -118,13 +128,16 @@ class DecodeAttention:
     def attend(self, layer_number: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query [1, B, heads, d], key/value [1, B, groups, d] -> [1, B, heads, d].
 
-        Written as a product and a sum, not SDPA over gathered keys: compiled, the block gather
+        Fused, written as a product and a sum, not SDPA over gathered keys: compiled, the block gather
         fuses into the reduction, so each layer reads every cached key and value once from the
         pool instead of copying them out first (the decode step is bound by that traffic)."""
         keys, values = self.pool.keys[layer_number], self.pool.values[layer_number]
         keys[self.write_slots] = key[0].to(keys.dtype)
         values[self.write_slots] = value[0].to(values.dtype)
         batch, heads, head_dim = query.shape[1:]
+        if not self.fused:
+            out = gathered_attention(query[0].unsqueeze(2), keys, values, self.slots, self.visible[:, None, None])
+            return out.reshape(1, batch, heads, head_dim)  # [B, heads, 1, d] -> [1, B, heads, d]
         groups = keys.shape[1]
         q = query[0].float().view(batch, 1, groups, heads // groups, head_dim) * head_dim**-0.5
         k = keys[self.slots].float().unsqueeze(3)  # [B, K, groups, 1, d]
