@@ -157,3 +157,21 @@ def test_decode_buckets_pad_to_powers_of_two(make_model):
     engine = engine_for(make_model())
     assert engine.runner.pool.keys[0].shape[0] == (engine.blocks.num_blocks + 1) * 4
     assert engine.runner.decode.scratch_block == engine.blocks.num_blocks
+
+
+def test_decode_warm_up_touches_only_the_scratch_block(make_model):
+    """`mtl serve --compile` runs every decode bucket once before serving: on the scratch block
+    alone, so the cache slots requests own stay as they were and no block leaves the pool."""
+    from mtl.serve.decode import decode_buckets
+
+    engine = engine_for(make_model(), max_batch=5)
+    pool, scratch = engine.runner.pool, engine.runner.decode.scratch_block * 4
+    for cache in (*pool.keys, *pool.values):
+        cache.normal_()
+        cache[scratch:] = 0
+    before = [cache[:scratch].clone() for cache in (*pool.keys, *pool.values)]
+    ran = engine.runner.decode.warm_up(5)
+    assert ran == len(decode_buckets(5, engine.blocks.blocks_for(engine.context_length))) == 4 * 5
+    assert all(torch.equal(cache[:scratch], old) for cache, old in zip((*pool.keys, *pool.values), before))
+    assert pool.keys[0][scratch:].abs().sum() > 0  # the warm-up's keys went there
+    assert engine.blocks.blocks_in_use == 0

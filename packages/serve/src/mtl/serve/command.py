@@ -59,6 +59,9 @@ def serve(checkpoint, host, port, tp, max_batch, max_step_tokens, max_waiting, c
                           max_step_tokens=max_step_tokens, max_waiting=max_waiting, block_size=block_size,
                           compile=compile_decode, tokenizer=tokenizer, tokenizer_model=tokenizer_model,
                           iteration=iteration)
+    if engine.runner.decode.compiled:
+        click.echo("mtl serve: compiling the decode step for every batch bucket (once, before serving)", err=True)
+        engine.runner.decode.warm_up(max_batch)
     if rank != 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 ends the run and tells this rank so
         engine.runner.follow()

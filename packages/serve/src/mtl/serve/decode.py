@@ -86,6 +86,15 @@ class DecodeStep:
             torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are read already
         return self._forward(ids, positions, tables.view(padded, width))[:batch]
 
+    def warm_up(self, max_batch: int) -> int:
+        """Run every (batch, width) bucket once on the scratch block alone, so a server compiles
+        and records its graphs before the first request, not during it; how many buckets."""
+        buckets = decode_buckets(max_batch, self.max_blocks)
+        for batch, width in buckets:
+            self(StepPlan([0] * batch, [0] * batch, [1] * batch, [[self.scratch_block] * width] * batch,
+                          list(range(batch))))
+        return len(buckets)
+
     def _logits(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         slots = table_slots(tables, tables.shape[1] * self.block_size, self.block_size)
         context = DecodeAttention(self.pool, slots, positions, fused=self.compiled)
