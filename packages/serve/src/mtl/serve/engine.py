@@ -66,6 +66,9 @@ class Engine:
         # learned positions end there; a RoPE model was trained to it
         self.context_length = m.max_position_embeddings or m.seq_length
         tp = loaded.topology.tp
+        compiled = device.type == "cuda" and tp == 1 if config.compile is None else config.compile
+        if compiled and tp > 1:
+            raise MtlError(f"--compile runs with --tp 1 only (asked for --tp {tp}); pass --no-compile")
         groups, head_dim = m.num_query_groups // tp, m.head_dim
         dtype = next(loaded.model.parameters()).dtype
         per_block = KVPool.bytes_per_block(m.num_layers, config.block_size, groups, head_dim, dtype)
@@ -76,11 +79,8 @@ class Engine:
                            f"({per_block} bytes each), fewer than one full context of {self.context_length} "
                            "tokens needs; give more")
         pool = KVPool(m.num_layers, num_blocks + 1, config.block_size, groups, head_dim, dtype, device)
-        compile = device.type == "cuda" and tp == 1 if config.compile is None else config.compile
-        if compile and tp > 1:
-            raise MtlError(f"--compile runs with --tp 1 only (asked for --tp {tp}); pass --no-compile")
         decode = DecodeStep(loaded.model, pool, config.block_size, self.blocks.blocks_for(self.context_length),
-                            scratch_block=num_blocks, device=device, compile=compile, max_batch=config.max_batch)
+                            scratch_block=num_blocks, device=device, compile=compiled, max_batch=config.max_batch)
         self.runner = ModelRunner(loaded.model, loaded.topology, pool, config.block_size, device, decode)
         self.scheduler = Scheduler(self.blocks, max_batch=config.max_batch, max_step_tokens=config.max_step_tokens,
                                    max_waiting=config.max_waiting)
