@@ -86,6 +86,7 @@ class DecodeStep:
             torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are read already
         return self._forward(ids, positions, tables.view(padded, width))[:batch]
 
+    @torch.no_grad()  # as the runner calls it: graphs compiled for inference, not for autograd
     def warm_up(self, max_batch: int) -> int:
         """Run every (batch, width) bucket once on the scratch block alone, so a server compiles
         and records its graphs before the first request, not during it; how many buckets."""
