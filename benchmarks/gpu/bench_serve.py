@@ -18,7 +18,8 @@ token, mean time per output token after the first. Before each timed run both sy
 same workload once untimed: every decode bucket (batch size, table width) the timed run meets
 is compiled and captured by then (``--compile``, on by default on CUDA), and HF compiles its
 static-cache decode. A failure of HF (building, agreement or a run) is printed and the table
-still comes out.
+still comes out; if mtl's compiled decode fails, the run goes on with eager decode steps and
+those rows say ``mtl-serve (eager)``.
 
     python3 benchmarks/gpu/bench_serve.py --check-only     # a tiny model on the CPU, < 60 s"""
 
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch._dynamo
 
 from mtl.core.config_io import load_config
 from mtl.core.model_protocol import build_model
@@ -163,9 +165,12 @@ def main(argv=None) -> None:
     loaded = build_mtl(args.config, device, dtype, TINY if args.check_only else [])
     vocab = loaded.config.model.vocab_size
     kv_memory = args.kv_memory or ("0.6" if device.type == "cuda" else "64MiB")
-    engine = Engine(loaded, EngineConfig(max_batch=max(args.concurrency), max_step_tokens=args.max_step_tokens,
-                                         kv_memory=kv_memory, max_waiting=max(args.concurrency),
-                                         compile=args.compile), device)
+    def make_engine(compile: bool | None) -> Engine:
+        return Engine(loaded, EngineConfig(max_batch=max(args.concurrency), max_step_tokens=args.max_step_tokens,
+                                           kv_memory=kv_memory, max_waiting=max(args.concurrency), compile=compile),
+                      device)
+
+    engine = make_engine(args.compile)
     hf = None if args.skip_hf else attempt("hf-generate: building", build_hf, loaded,
                                             Path(tempfile.mkdtemp(prefix="bench_serve_hf_")), device, dtype)
     if hf is not None:
@@ -175,8 +180,19 @@ def main(argv=None) -> None:
     for concurrency in args.concurrency:
         prompts = torch.randint(0, vocab, (concurrency, args.prompt_len), generator=torch.Generator().manual_seed(1))
         prompts = prompts.tolist()
-        run_mtl(engine, prompts, args.output_len)  # warm-up: compiles and captures every bucket of the timed run
-        rows.append({"system": "mtl-serve", "concurrency": concurrency, **run_mtl(engine, prompts, args.output_len)})
+        # warm-up: compiles and captures every bucket of the timed run
+        if attempt("mtl-serve: warm-up", run_mtl, engine, prompts, args.output_len) is None:
+            if not engine.runner.decode.compiled:
+                raise SystemExit("mtl-serve failed eagerly; see above")
+            print("mtl-serve: going on with eager decode steps (as --no-compile)", flush=True)
+            engine = None
+            torch._dynamo.reset()  # the compiled step's references to the old pool go with it
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the new pool is sized from the memory the driver sees free
+            engine = make_engine(False)
+            run_mtl(engine, prompts, args.output_len)
+        system = "mtl-serve" if engine.runner.decode.compiled else "mtl-serve (eager)"
+        rows.append({"system": system, "concurrency": concurrency, **run_mtl(engine, prompts, args.output_len)})
         print(json.dumps(rows[-1]), flush=True)
         timed = attempt(f"hf-generate at {concurrency}", run_hf, hf, prompts, args.output_len, device) if hf else None
         if timed is not None:
