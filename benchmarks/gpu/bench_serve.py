@@ -14,8 +14,14 @@ random prompt tokens and ``--output-len`` output tokens (end-of-text ignored):
   output token the rest of a full call over ``output_len - 1``.
 
 Rows: output tokens/s (all requests' output tokens over the wall time), mean time to first
-token, mean time per output token after the first. Warm-up runs (compilation) are not timed.
-``--config`` and ``--device cpu`` with a small shape smoke-test the script on a CPU."""
+token, mean time per output token after the first. Before each timed run both systems run the
+same workload once untimed: every decode bucket (batch size, table width) the timed run meets
+is compiled and captured by then (``--compile``, on by default on CUDA), and HF compiles its
+static-cache decode. A failure of HF (building, agreement or a run) is printed and the table
+still comes out; if mtl's compiled decode fails, the run goes on with eager decode steps and
+those rows say ``mtl-serve (eager)``.
+
+    python3 benchmarks/gpu/bench_serve.py --check-only     # a tiny model on the CPU, < 60 s"""
 
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch._dynamo
 
 from mtl.core.config_io import load_config
 from mtl.core.model_protocol import build_model
@@ -39,8 +46,13 @@ from mtl.serve.sampling import SamplingParams
 HERE = Path(__file__).resolve().parent
 
 
-def build_mtl(config_path: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    cfg = load_config(config_path, ["train.compile=false", "train.cuda_graphs=false"])
+# --check-only: the reference config shrunk to a model a CPU runs in seconds
+TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=256",
+        "train.device=cpu", "train.precision=fp32"]
+
+
+def build_mtl(config_path: str, device: torch.device, dtype: torch.dtype, overrides: list[str]) -> LoadedModel:
+    cfg = load_config(config_path, ["train.compile=false", "train.cuda_graphs=false", *overrides])
     tokenizer = registry("tokenizer").get(cfg.data.tokenizer).build(cfg.data.tokenizer_model)
     cfg = cfg.resolve(world_size=1, tokenizer_vocab_size=tokenizer.vocab_size)
     family, backend = registry("model family").get(cfg.model.family), registry("backend").get(cfg.model.backend)
@@ -117,6 +129,16 @@ def agreement(engine: Engine, hf, vocab: int, device: torch.device, length: int 
     return f"{same}/{length} leading tokens"
 
 
+def attempt(what: str, fn, *args):
+    """fn(*args), or None after printing why it failed: a peer's failure is a line of the report,
+    not the end of the run."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        print(f"{what}: failed: {str(exc).splitlines()[-1] if str(exc) else repr(exc)}", flush=True)
+        return None
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(HERE / "llama_reference.toml"))
@@ -128,41 +150,62 @@ def main(argv=None) -> None:
     parser.add_argument("--kv-memory", default=None,
                         help="default: 0.6 of free GPU memory (HF needs the rest), 64MiB on CPU")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="mtl's decode steps compiled with CUDA graphs (default: on for CUDA)")
+    parser.add_argument("--check-only", action="store_true",
+                        help="smoke test: a 2-layer model on the CPU, concurrency 1 and 4, 16 + 8 tokens")
     parser.add_argument("--out", default=None, help="also write the table (markdown) here")
     args = parser.parse_args(argv)
+    if args.check_only:
+        args.device, args.concurrency, args.prompt_len, args.output_len = "cpu", [1, 4], 16, 8
+        torch.set_num_threads(1)  # a tiny model: threads would only fight over shared cores
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    loaded = build_mtl(args.config, device, dtype)
+    loaded = build_mtl(args.config, device, dtype, TINY if args.check_only else [])
     vocab = loaded.config.model.vocab_size
     kv_memory = args.kv_memory or ("0.6" if device.type == "cuda" else "64MiB")
-    engine = Engine(loaded, EngineConfig(max_batch=max(args.concurrency), max_step_tokens=args.max_step_tokens,
-                                         kv_memory=kv_memory, max_waiting=max(args.concurrency)), device)
-    hf = None
-    if not args.skip_hf:
-        folder = Path(tempfile.mkdtemp(prefix="bench_serve_hf_"))
-        hf = build_hf(loaded, folder, device, dtype)
-        print(json.dumps({"greedy_tokens_agree": agreement(engine, hf, vocab, device)}), flush=True)
+    def make_engine(compile: bool | None) -> Engine:
+        return Engine(loaded, EngineConfig(max_batch=max(args.concurrency), max_step_tokens=args.max_step_tokens,
+                                           kv_memory=kv_memory, max_waiting=max(args.concurrency), compile=compile),
+                      device)
+
+    engine = make_engine(args.compile)
+    hf = None if args.skip_hf else attempt("hf-generate: building", build_hf, loaded,
+                                            Path(tempfile.mkdtemp(prefix="bench_serve_hf_")), device, dtype)
+    if hf is not None:
+        agree = attempt("hf-generate: agreement", agreement, engine, hf, vocab, device)
+        print(json.dumps({"greedy_tokens_agree": agree}), flush=True)
     rows = []
     for concurrency in args.concurrency:
         prompts = torch.randint(0, vocab, (concurrency, args.prompt_len), generator=torch.Generator().manual_seed(1))
         prompts = prompts.tolist()
-        run_mtl(engine, prompts[:1], 4)  # warm-up
-        rows.append({"system": "mtl-serve", "concurrency": concurrency, **run_mtl(engine, prompts, args.output_len)})
+        # warm-up: compiles and captures every bucket of the timed run
+        if attempt("mtl-serve: warm-up", run_mtl, engine, prompts, args.output_len) is None:
+            if not engine.runner.decode.compiled:
+                raise SystemExit("mtl-serve failed eagerly; see above")
+            print("mtl-serve: going on with eager decode steps (as --no-compile)", flush=True)
+            engine = None
+            torch._dynamo.reset()  # the compiled step's references to the old pool go with it
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the new pool is sized from the memory the driver sees free
+            engine = make_engine(False)
+            run_mtl(engine, prompts, args.output_len)
+        system = "mtl-serve" if engine.runner.decode.compiled else "mtl-serve (eager)"
+        rows.append({"system": system, "concurrency": concurrency, **run_mtl(engine, prompts, args.output_len)})
         print(json.dumps(rows[-1]), flush=True)
-        if hf is not None:
-            try:
-                rows.append({"system": "hf-generate", "concurrency": concurrency,
-                             **run_hf(hf, prompts, args.output_len, device)})
-                print(json.dumps(rows[-1]), flush=True)
-            except Exception as exc:  # a peer's failure is a row of the table, not the end of the run
-                print(f"hf-generate at {concurrency}: failed: {str(exc).splitlines()[-1] if str(exc) else exc!r}")
+        timed = attempt(f"hf-generate at {concurrency}", run_hf, hf, prompts, args.output_len, device) if hf else None
+        if timed is not None:
+            rows.append({"system": "hf-generate", "concurrency": concurrency, **timed})
+            print(json.dumps(rows[-1]), flush=True)
     table = ["| system | concurrent requests | output tokens/s | TTFT ms | ms per output token |",
              "|---|---|---|---|---|"]
     table += [f"| {r['system']} | {r['concurrency']} | {r['tokens_per_s']:.0f} | {r['ttft_ms']:.1f} "
               f"| {r['tpot_ms']:.2f} |" for r in rows]
-    text = (f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, {args.config}, prompt "
-            f"{args.prompt_len}, output {args.output_len} tokens\n\n" + "\n".join(table) + "\n")
+    compiled = engine.runner.decode.compiled
+    text = (f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, {args.config}"
+            f"{' (tiny, --check-only)' if args.check_only else ''}, prompt {args.prompt_len}, output "
+            f"{args.output_len} tokens, mtl decode {'compiled' if compiled else 'eager'}\n\n" + "\n".join(table) + "\n")
     print(text)
     if args.out:
         Path(args.out).write_text(text)

@@ -127,3 +127,51 @@ def test_block_manager_and_kv_memory(make_model):
         parse_kv_memory("lots")
     with pytest.raises(MtlError, match="give a size"):
         engine_for(make_model(), kv_memory="0.5")
+
+
+def test_compiled_decode_step_gives_generate_tokens(make_model, monkeypatch):
+    """Decode steps through torch.compile (inductor here; on CUDA the same graph is replayed as a
+    CUDA graph) give `mtl.models.generate`'s tokens. One request inside one block meets a single
+    (batch, table width) bucket: one compilation, the slow part of this test on a CPU."""
+    import torch._inductor.config
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)  # no worker pool to start on shared cores
+    loaded = make_model()
+    engine = engine_for(loaded, block_size=16, compile=True)
+    assert engine.runner.decode.compiled
+    prompt = loaded.tokenizer.encode("Hello")
+    graphs = counters["stats"]["unique_graphs"]
+    [outs] = engine.generate([prompt], [SamplingParams(max_tokens=10, temperature=0)])
+    assert new_ids(outs) == generate(loaded.model, prompt, 10, temperature=0, eod=loaded.tokenizer.eod, seed=0)
+    assert counters["stats"]["unique_graphs"] == graphs + 1  # the decode steps ran the compiled graph
+
+
+def test_decode_buckets_pad_to_powers_of_two(make_model):
+    """A decode step pads its batch and table width to buckets; padding rows write only the
+    scratch block, past the blocks the manager hands out."""
+    from mtl.serve.decode import bucket, decode_buckets
+
+    assert [bucket(n) for n in (1, 2, 3, 5, 16, 17, 64)] == [1, 2, 4, 8, 16, 32, 64]
+    assert decode_buckets(max_batch=5, max_blocks=6) == [(b, w) for b in (1, 2, 4, 8) for w in (1, 2, 4, 6)]
+    engine = engine_for(make_model())
+    assert engine.runner.pool.keys[0].shape[0] == (engine.blocks.num_blocks + 1) * 4
+    assert engine.runner.decode.scratch_block == engine.blocks.num_blocks
+
+
+def test_decode_warm_up_touches_only_the_scratch_block(make_model):
+    """`mtl serve --compile` runs every decode bucket once before serving: on the scratch block
+    alone, so the cache slots requests own stay as they were and no block leaves the pool."""
+    from mtl.serve.decode import decode_buckets
+
+    engine = engine_for(make_model(), max_batch=5)
+    pool, scratch = engine.runner.pool, engine.runner.decode.scratch_block * 4
+    for cache in (*pool.keys, *pool.values):
+        cache.normal_()
+        cache[scratch:] = 0
+    before = [cache[:scratch].clone() for cache in (*pool.keys, *pool.values)]
+    ran = engine.runner.decode.warm_up(5)
+    assert ran == len(decode_buckets(5, engine.blocks.blocks_for(engine.context_length))) == 4 * 5
+    assert all(torch.equal(cache[:scratch], old) for cache, old in zip((*pool.keys, *pool.values), before))
+    assert pool.keys[0][scratch:].abs().sum() > 0  # the warm-up's keys went there
+    assert engine.blocks.blocks_in_use == 0

@@ -29,6 +29,9 @@ from mtl.serve.build import CPU_KV_MEMORY, GPU_KV_MEMORY, build_engine, distribu
               help="Tokens one step computes (decodes first, then chunks of prompts).")
 @click.option("--max-waiting", default=256, show_default=True, type=click.IntRange(min=1),
               help="Queued requests beyond which new ones get 429.")
+@click.option("--compile/--no-compile", "compile_decode", default=None,
+              help="Decode steps through torch.compile at bucketed batch sizes, replayed as CUDA graphs on a GPU "
+                   "(default: on for CUDA with --tp 1; the first step of each bucket compiles).")
 @click.option("--block-size", default=16, show_default=True, type=click.IntRange(min=1), help="Tokens per KV block.")
 @click.option("--kv-memory", default=None, metavar="FRACTION|SIZE",
               help=f"KV-cache pool: a fraction of free GPU memory (default {GPU_KV_MEMORY}) or a size such as "
@@ -46,15 +49,19 @@ from mtl.serve.build import CPU_KV_MEMORY, GPU_KV_MEMORY, build_engine, distribu
               help="A committed iteration other than the latest.")
 @click.option("--shutdown-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds running requests get to finish after SIGTERM before they are aborted.")
-def serve(checkpoint, host, port, tp, max_batch, max_step_tokens, max_waiting, block_size, kv_memory, api_key,
-          served_model_name, device, dtype, tokenizer, tokenizer_model, iteration, shutdown_timeout):
+def serve(checkpoint, host, port, tp, max_batch, max_step_tokens, max_waiting, compile_decode, block_size, kv_memory,
+          api_key, served_model_name, device, dtype, tokenizer, tokenizer_model, iteration, shutdown_timeout):
     """Serve CHECKPOINT with an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics), continuous batching over a paged KV cache."""
     rank = init_tp(tp)
     dev = distributed_device(device, tp)
     engine = build_engine(checkpoint, device=dev, tp=tp, dtype=dtype, kv_memory=kv_memory, max_batch=max_batch,
                           max_step_tokens=max_step_tokens, max_waiting=max_waiting, block_size=block_size,
-                          tokenizer=tokenizer, tokenizer_model=tokenizer_model, iteration=iteration)
+                          compile=compile_decode, tokenizer=tokenizer, tokenizer_model=tokenizer_model,
+                          iteration=iteration)
+    if engine.runner.decode.compiled:
+        click.echo("mtl serve: compiling the decode step for every batch bucket (once, before serving)", err=True)
+        engine.runner.decode.warm_up(max_batch)
     if rank != 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 ends the run and tells this rank so
         engine.runner.follow()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mtl.core.errors import MtlError
+from mtl.serve.decode import DecodeStep
 from mtl.serve.detokenize import TextStream
 from mtl.serve.kv_cache import BlockManager, KVPool, kv_budget_bytes
 from mtl.serve.loading import LoadedModel
@@ -42,6 +43,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     kv_memory: str = "0.9"  # a fraction of free GPU memory, or a size (256MiB) for the KV pool
     max_waiting: int = 256  # queued requests beyond which new ones are refused
+    compile: bool | None = None  # decode steps through torch.compile (CUDA graphs on CUDA); None: on for CUDA, TP 1
 
 
 @dataclass
@@ -64,17 +66,22 @@ class Engine:
         # learned positions end there; a RoPE model was trained to it
         self.context_length = m.max_position_embeddings or m.seq_length
         tp = loaded.topology.tp
+        compiled = device.type == "cuda" and tp == 1 if config.compile is None else config.compile
+        if compiled and tp > 1:
+            raise MtlError(f"--compile runs with --tp 1 only (asked for --tp {tp}); pass --no-compile")
         groups, head_dim = m.num_query_groups // tp, m.head_dim
         dtype = next(loaded.model.parameters()).dtype
         per_block = KVPool.bytes_per_block(m.num_layers, config.block_size, groups, head_dim, dtype)
-        num_blocks = kv_budget_bytes(config.kv_memory, device) // per_block
+        num_blocks = kv_budget_bytes(config.kv_memory, device) // per_block - 1  # one more: the scratch block
         self.blocks = BlockManager(num_blocks, config.block_size)
         if num_blocks < self.blocks.blocks_for(self.context_length):
             raise MtlError(f"--kv-memory {config.kv_memory} holds {num_blocks} blocks of {config.block_size} tokens "
                            f"({per_block} bytes each), fewer than one full context of {self.context_length} "
                            "tokens needs; give more")
-        pool = KVPool(m.num_layers, num_blocks, config.block_size, groups, head_dim, dtype, device)
-        self.runner = ModelRunner(loaded.model, loaded.topology, pool, config.block_size, device)
+        pool = KVPool(m.num_layers, num_blocks + 1, config.block_size, groups, head_dim, dtype, device)
+        decode = DecodeStep(loaded.model, pool, config.block_size, self.blocks.blocks_for(self.context_length),
+                            scratch_block=num_blocks, device=device, compile=compiled, max_batch=config.max_batch)
+        self.runner = ModelRunner(loaded.model, loaded.topology, pool, config.block_size, device, decode)
         self.scheduler = Scheduler(self.blocks, max_batch=config.max_batch, max_step_tokens=config.max_step_tokens,
                                    max_waiting=config.max_waiting)
         self.device = device

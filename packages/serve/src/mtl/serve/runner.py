@@ -3,13 +3,18 @@
 Under tensor parallelism every rank holds its heads' keys and values and a slice of the
 vocabulary: rank 0 plans and samples, broadcasts each plan, every rank runs the same forward
 (the layers' own collectives keep them in step), and the sampled rows' logits are gathered
-over the TP group. ``follow`` is the loop of the other ranks."""
+over the TP group. ``follow`` is the loop of the other ranks.
+
+A step with prompt chunks runs eagerly over ``PagedContext``; a decode-only step goes through
+``DecodeStep`` (bucketed shapes, compiled when asked). Either way only the sampled rows reach
+the final norm and the LM head."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from mtl.serve.decode import DecodeStep, forward_rows
 from mtl.serve.kv_cache import KVPool
 from mtl.serve.paged_attention import PagedContext, StepPlan
 
@@ -17,8 +22,10 @@ STOP = "stop"  # the plan that ends the followers' loop
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, topology, pool: KVPool, block_size: int, device: torch.device):
+    def __init__(self, model: torch.nn.Module, topology, pool: KVPool, block_size: int, device: torch.device,
+                 decode: DecodeStep):
         self.model = model
+        self.decode = decode
         self.topology = topology
         self.pool = pool
         self.block_size = block_size
@@ -41,10 +48,12 @@ class ModelRunner:
         """fp32 logits [len(sample_rows), vocab] of the plan's sampled rows (on every rank)."""
         if self.distributed and self.topology.tp_rank == 0:
             self.broadcast(plan)
-        context = PagedContext(plan, self.pool, self.block_size, self.device)
-        ids = torch.tensor([plan.input_ids], dtype=torch.long, device=self.device)
-        logits = self.model(ids, position_ids=context.positions, inference_context=context)  # [1, T, V/tp]
-        rows = logits[0, torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)].float()  # [R, V/tp]
+        if plan.decode_only:
+            rows = self.decode(plan)
+        else:
+            context = PagedContext(plan, self.pool, self.block_size, self.device)
+            rows = forward_rows(self.model, context.input_ids, context.positions, context, context.sample_rows)
+        rows = rows.float()  # [R, V/tp]
         if self.distributed:
             parts = [torch.empty_like(rows) for _ in range(self.topology.tp)]
             dist.all_gather(parts, rows.contiguous(), group=self.topology.tp_group)

@@ -71,22 +71,29 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
-    """The chosen token's log-probability under the model's distribution, and the ``top`` most likely."""
-    logp = torch.log_softmax(logits, dim=-1)
-    best = torch.topk(logp, top) if top else None
-    alternatives = {int(i): float(v) for v, i in zip(best.values, best.indices)} if best is not None else {}
-    return TokenLogprobs(float(logp[token]), alternatives)
+def rows_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprobs]:
+    """Each row's chosen token's log-probability under the model's distribution, and its ``top``
+    most likely tokens: one log-softmax and one top-k over all the rows, one copy to the host."""
+    logp = torch.log_softmax(logits, dim=-1)  # [R, V]
+    chosen = logp.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1))[:, 0].tolist()
+    best = torch.topk(logp, max(tops), dim=-1) if max(tops) else None
+    values, indices = (best.values.tolist(), best.indices.tolist()) if best is not None else ([], [])
+    return [TokenLogprobs(chosen[r], {indices[r][i]: values[r][i] for i in range(top)}) for r, top in enumerate(tops)]
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator]) -> tuple[list[int], list[TokenLogprobs | None]]:
     """Tokens (and log-probabilities where asked) for every row of logits [R, V]: greedy rows in
-    one argmax, the rest one by one with each request's generator."""
+    one argmax, the rest one by one with each request's generator, the log-probabilities of all
+    the rows that ask for them together."""
     tokens = torch.argmax(logits, dim=-1).tolist()
-    logprobs: list[TokenLogprobs | None] = []
     for row, (p, gen) in enumerate(zip(params, generators)):
         if p.temperature != 0:
             tokens[row] = sample_row(logits[row], p, gen)
-        logprobs.append(token_logprobs(logits[row], tokens[row], p.logprobs) if p.logprobs is not None else None)
+    logprobs: list[TokenLogprobs | None] = [None] * len(params)
+    asked = [row for row, p in enumerate(params) if p.logprobs is not None]
+    if asked:
+        found = rows_logprobs(logits[asked], [tokens[r] for r in asked], [params[r].logprobs for r in asked])
+        for row, entry in zip(asked, found):
+            logprobs[row] = entry
     return tokens, logprobs

@@ -40,8 +40,10 @@ class Sequence:
         return self.cached < len(self.prompt_ids)
 
     def pending_ids(self, count: int) -> list[int]:
-        ids = self.prompt_ids + self.output_ids
-        return ids[self.cached: self.cached + count]
+        start, end, prompt = self.cached, self.cached + count, len(self.prompt_ids)
+        if start >= prompt:  # decoding: no copy of the whole prompt every step
+            return self.output_ids[start - prompt: end - prompt]
+        return self.prompt_ids[start:end] + self.output_ids[: max(end - prompt, 0)]
 
 
 class Scheduler:
