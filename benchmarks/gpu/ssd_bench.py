@@ -35,14 +35,18 @@ def inputs(device: str):
     return x, dt, A, B, C
 
 
-def time_call(kernel, x, dt, A, B, C, warmup: int = 5, iters: int = 20) -> tuple[float, torch.Tensor]:
-    """Median ms of forward + backward, and the output of the last call."""
-    leaves = [t.detach().bfloat16().requires_grad_() for t in (x, B, C)]
+def time_call(kernel, x, dt, A, B, C, autocast: bool, warmup: int = 5, iters: int = 20) -> tuple[float, torch.Tensor]:
+    """Median ms of forward + backward, and the output of the last call. mtl's scan is called as
+    the mixer calls it in training (fp32 x, B, C under bf16 autocast: the einsums run in bf16);
+    mamba-ssm's kernel takes bf16 x, B, C with fp32 dt and A."""
+    leaves = [t.detach().clone() if autocast else t.detach().bfloat16() for t in (x, B, C)]
+    leaves = [t.requires_grad_() for t in leaves]
     times = []
     for i in range(warmup + iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        y, _ = kernel(leaves[0], dt, A, leaves[1], leaves[2], chunk_size=SHAPES["chunk"])
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            y, _ = kernel(leaves[0], dt, A, leaves[1], leaves[2], chunk_size=SHAPES["chunk"])
         y.float().sum().backward()
         end.record()
         torch.cuda.synchronize()
@@ -65,7 +69,7 @@ def main() -> None:
              "| kernel | ms | max abs diff vs fp32 |", "|---|---|---|"]
     for name, fn in rows.items():
         try:
-            ms, y = time_call(fn, x, dt, A, B, C)
+            ms, y = time_call(fn, x, dt, A, B, C, autocast=name.startswith("mtl"))
             lines.append(f"| {name} | {ms:.3f} | {(y - reference).abs().max().item():.3e} |")
         except Exception as exc:  # noqa: BLE001 (one failing row must not hide the others)
             lines.append(f"| {name} | failed: {str(exc).splitlines()[-1] if str(exc) else type(exc).__name__} | |")
