@@ -83,7 +83,10 @@ class MLP(nn.Module):
         if self.gated:  # [gate | up], each [s, b, ffn / tp]; a backward that reads them once
             intermediate = swiglu(intermediate)
         elif self.activation == "relu2":  # squared ReLU (Nemotron-H)
-            intermediate = F.relu(intermediate).square()
+            # relu * relu, not square(): autocast runs pow in fp32, and fc2 then gets an fp32 input
+            # beside a bf16 gradient (the fused weight-gradient GEMM refuses the mix)
+            relu = F.relu(intermediate)
+            intermediate = relu * relu
         else:
             intermediate = F.gelu(intermediate)
         return self.linear_fc2(intermediate)
