@@ -14,6 +14,8 @@ itself (NCCL, one GPU per rank). The round trip mtl -> Megatron -> mtl is bit-ex
 
 from __future__ import annotations
 
+import dataclasses
+
 import importlib.util
 import json
 import os
@@ -139,6 +141,10 @@ def test_refusals(tmp_path):
         MegatronConverter().from_mtl(cfg.model, state, tmp_path / "b", iteration=0)
     with pytest.raises(ConfigError, match="spec 'apex'"):
         MegatronConverter().from_mtl(cfg.model, state, tmp_path / "c", spec="apex")
+    # Nemotron-H's MLP and position-free attention (allowed by the config) have no Megatron export
+    for key, value in (("activation", "relu2"), ("position_embedding", "none")):
+        with pytest.raises(ConfigError, match=f"model.{key} = '{value}'"):
+            MegatronConverter().from_mtl(dataclasses.replace(cfg.model, **{key: value}), state, tmp_path / "e")
     MegatronConverter().from_mtl(cfg.model, state, tmp_path / "d")
     assert (tmp_path / "d" / "latest_checkpointed_iteration.txt").read_text() == "release"
     with pytest.raises(CheckpointError, match="not empty"):

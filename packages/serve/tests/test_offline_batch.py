@@ -46,3 +46,9 @@ def test_a_bad_line_is_named_before_any_compute(checkpoint, tmp_path):
     assert not (tmp_path / "out.jsonl").exists()
     result = CliRunner().invoke(cli, ["generate", checkpoint["dir"], "--input", str(tmp_path / "in.jsonl")])
     assert result.exit_code != 0 and "--input and --output go together" in result.output
+    # an option of the other mode is refused, not ignored
+    result = CliRunner().invoke(cli, ["generate", checkpoint["dir"], "--prompt", "Hi", "--max-batch", "4"])
+    assert result.exit_code != 0 and "--max-batch and --kv-memory" in result.output
+    result = CliRunner().invoke(cli, ["generate", checkpoint["dir"], "--input", str(tmp_path / "in.jsonl"),
+                                      "--output", str(tmp_path / "out.jsonl"), "--show-ids"])
+    assert result.exit_code != 0 and "--show-ids" in result.output

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -12,6 +13,7 @@ from mtl.core.errors import ConfigError
 from mtl.serve.engine import Engine, EngineConfig
 from mtl.serve.loading import DTYPES, load_checkpoint
 
+SERVED_FAMILIES = ("gpt",)
 CPU_KV_MEMORY = "512MiB"  # the pool's size on a CPU, where there is no free device memory to take a share of
 GPU_KV_MEMORY = "0.8"  # of the GPU memory free after loading: the rest is activations and logits
 
@@ -25,7 +27,9 @@ def init_tp(tp: int) -> int:
         raise ConfigError(f"--tp {tp} needs {tp} processes: launch with torchrun --nproc-per-node {tp} "
                           f"$(which mtl) serve ... --tp {tp} (WORLD_SIZE is {world})")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # the other ranks wait in a broadcast for rank 0's next step, which an idle server may not
+        # send for hours: the default collective timeout (10-30 min) would end the run
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(days=365))
     return dist.get_rank()
 
 
@@ -50,6 +54,10 @@ def build_engine(checkpoint: str, *, device: torch.device, tp: int = 1, dtype: s
     weights = (torch.bfloat16 if device.type == "cuda" else None) if dtype == "auto" else DTYPES.get(dtype)
     loaded = load_checkpoint(checkpoint, device=device, tp=tp, dtype=weights, tokenizer=tokenizer,
                              tokenizer_model=tokenizer_model, iteration=iteration)
+    family = loaded.config.model.family
+    if family not in SERVED_FAMILIES:  # the runner packs sequences into gpt's layers, with a paged cache
+        raise ConfigError(f"{checkpoint}: model.family = '{family}': the engine serves {', '.join(SERVED_FAMILIES)} "
+                          "checkpoints only; use `mtl generate CHECKPOINT --prompt TEXT` for this one")
     if loaded.tokenizer.vocab_size < loaded.config.model.vocab_size:
         raise ConfigError(f"the model's vocabulary has {loaded.config.model.vocab_size} tokens but the tokenizer "
                           f"has {loaded.tokenizer.vocab_size}; pass the tokenizer the model was trained with")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+from functools import partial
 from pathlib import Path
 
 import click
@@ -53,15 +54,14 @@ def serve(checkpoint, host, port, tp, max_batch, max_step_tokens, max_waiting, c
           api_key, served_model_name, device, dtype, tokenizer, tokenizer_model, iteration, shutdown_timeout):
     """Serve CHECKPOINT with an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics), continuous batching over a paged KV cache."""
+    if api_key is not None and not api_key.strip():
+        raise ConfigError("--api-key (or MTL_API_KEY) is empty; give a key or leave it unset")
     rank = init_tp(tp)
     dev = distributed_device(device, tp)
     engine = build_engine(checkpoint, device=dev, tp=tp, dtype=dtype, kv_memory=kv_memory, max_batch=max_batch,
                           max_step_tokens=max_step_tokens, max_waiting=max_waiting, block_size=block_size,
                           compile=compile_decode, tokenizer=tokenizer, tokenizer_model=tokenizer_model,
                           iteration=iteration)
-    if engine.runner.decode.compiled:
-        click.echo("mtl serve: compiling the decode step for every batch bucket (once, before serving)", err=True)
-        engine.runner.decode.warm_up(max_batch)
     if rank != 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 ends the run and tells this rank so
         engine.runner.follow()
@@ -77,10 +77,13 @@ def _serve_http(engine, host: str, port: int, api_key: str | None, model_name: s
     from mtl.serve.metrics import ServeMetrics
     from mtl.serve.server import create_app
 
-    if api_key is not None and not api_key.strip():
-        raise ConfigError("--api-key (or MTL_API_KEY) is empty; give a key or leave it unset")
     template = ChatTemplate.from_tokenizer_files(engine.loaded.tokenizer_path)
-    app = create_app(EngineLoop(engine, ServeMetrics()), model_name=model_name, api_key=api_key,
+    warm_up = None
+    if engine.runner.decode.compiled:
+        click.echo("mtl serve: compiling the decode step for every batch bucket (once, before serving; "
+                   "/health answers 503 until it is done)", err=True)
+        warm_up = partial(engine.runner.decode.warm_up, engine.config.max_batch)
+    app = create_app(EngineLoop(engine, ServeMetrics(), warm_up), model_name=model_name, api_key=api_key,
                      chat_template=template)
     click.echo(f"mtl serve: {model_name} on http://{host}:{port} ({engine.blocks.num_blocks} KV blocks of "
                f"{engine.config.block_size} tokens, context {engine.context_length})", err=True)
@@ -89,5 +92,8 @@ def _serve_http(engine, host: str, port: int, api_key: str | None, model_name: s
     # uvicorn catches SIGTERM for its graceful shutdown and, once done, raises it again for the
     # handler it found: make that one a no-op so the run ends with status 0, not 143
     signal.signal(signal.SIGTERM, lambda *_: None)
-    uvicorn.Server(config).run()
+    try:
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn drained the requests, then raised SIGINT again
+        pass
     click.echo("mtl serve: stopped", err=True)

@@ -12,6 +12,7 @@ import itertools
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mtl.core.errors import MtlError
@@ -37,9 +38,13 @@ class EngineStopped(MtlError):
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, metrics: ServeMetrics):
+    def __init__(self, engine: Engine, metrics: ServeMetrics, warm_up: Callable[[], None] | None = None):
+        """``warm_up`` runs first on the engine thread: CUDA graphs belong to the thread that
+        records them, so the compiled decode step is recorded where it will be replayed."""
         self.engine = engine
         self.metrics = metrics
+        self._warm_up = warm_up
+        self.ready = threading.Event()  # set once the warm-up is done: /health answers 503 before
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
         self._sinks: dict[int, _Sink] = {}
@@ -117,6 +122,9 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
+            if self._warm_up is not None:
+                self._warm_up()
+            self.ready.set()
             while not self._stopping.is_set():
                 self._take_commands(block=not self.engine.has_work)
                 outputs = self.engine.step() if self.engine.has_work else []

@@ -175,6 +175,9 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None,
     async def health():
         if not engine_loop.running:
             return error_response(503, "the engine is not running", None, "server_error")
+        if not engine_loop.ready.is_set():
+            return error_response(503, "the engine is compiling its decode step; requests wait until it is done",
+                                  None, "server_error")
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -27,8 +27,8 @@ from mtl.core.errors import ConfigError
               help="The --tokenizer's file or directory (e.g. a tokenizer.json).")
 @click.option("--iteration", default=None, type=click.IntRange(min=0), metavar="N",
               help="A committed iteration of CHECKPOINT other than its latest.")
-@click.option("--max-batch", default=64, show_default=True, type=click.IntRange(min=1),
-              help="With --input: prompts decoding together.")
+@click.option("--max-batch", default=None, type=click.IntRange(min=1),
+              help="With --input: prompts decoding together [default: 64].")
 @click.option("--kv-memory", default=None, metavar="FRACTION|SIZE",
               help="With --input: the KV-cache pool (see `mtl serve --help`).")
 def generate(checkpoint, prompt, input_path, output_path, max_new_tokens, temperature, top_k, seed, device, show_ids,
@@ -45,13 +45,17 @@ def generate(checkpoint, prompt, input_path, output_path, max_new_tokens, temper
         raise ConfigError("give either --prompt TEXT or --input PROMPTS.jsonl --output OUT.jsonl")
     if (input_path is None) != (output_path is None):
         raise ConfigError("--input and --output go together (prompts in, generations out)")
+    if input_path is None and (max_batch is not None or kv_memory is not None):
+        raise ConfigError("--max-batch and --kv-memory size the batch engine of --input; with --prompt leave them out")
+    if input_path is not None and show_ids:
+        raise ConfigError("--show-ids prints one --prompt's token ids; leave it out with --input")
     checkpoint, iteration, hint = checkpoint_and_iteration(checkpoint, iteration)
     if hint:
         click.echo(hint, err=True)
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed, device=device,
                    tokenizer=tokenizer, tokenizer_model=tokenizer_model, iteration=iteration)
     if input_path is not None:
-        count = generate_batch(checkpoint, input_path, output_path, max_batch=max_batch, kv_memory=kv_memory,
+        count = generate_batch(checkpoint, input_path, output_path, max_batch=max_batch or 64, kv_memory=kv_memory,
                                **options)
         click.echo(f"wrote {count} generations to {output_path}")
         return

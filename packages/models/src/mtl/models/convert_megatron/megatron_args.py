@@ -25,6 +25,12 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 def check_exportable(m, tp: int, pp: int) -> None:
     """Refuse, in one line each, what a Megatron-Core GPTModel cannot load or compute alike."""
+    if m.activation not in ("swiglu", "gelu"):
+        raise ConfigError(f"model.activation = '{m.activation}': the export writes Megatron's SwiGLU or GELU MLPs "
+                          "only; this model cannot be exported to Megatron")
+    if m.position_embedding not in ("rope", "learned"):
+        raise ConfigError(f"model.position_embedding = '{m.position_embedding}': the export writes rotary or "
+                          "learned positions only; this model cannot be exported to Megatron")
     if m.num_attention_heads % tp or m.num_query_groups % tp:
         raise ConfigError(f"--tp {tp}: Megatron splits the {m.num_attention_heads} heads and {m.num_query_groups} "
                           "query groups over TP; both must be divisible by it")
