@@ -23,6 +23,14 @@ def test_dry_run_shows_the_encoder(mtl, ok, tiny_toml):
     (BERT_KEYS + ["model.tie_embeddings=false"], ["model.tie_embeddings", "bert"]),
     (BERT_KEYS + ["parallel.pp=4"], ["model.num_layers = 2", "pp*vpp"]),  # more stages than layers
     (["model.family='bert'"], ["lack text", "data.dataset = 'bert'"]),  # mock (gpt) samples for an encoder
+    # another family's keys are refused, not ignored: the SSM's on gpt, bert's on the hybrid family,
+    # and what T5 has no place for
+    (["model.mamba_state_dim=64"], ["model.mamba_state_dim", "model.family = 'hybrid'"]),
+    (["model.family='hybrid'", "model.hybrid_pattern='M*'", "model.mamba_head_dim=8", "model.mamba_num_groups=1",
+      "model.binary_head=true"], ["model.binary_head"]),
+    (["model.family='t5'", "model.activation='relu'", "model.normalization='rmsnorm'", "model.bias=false",
+      "model.qkv_bias=true", "data.dataset='t5'"],
+     ["model.qkv_bias = true", "T5 has no biases"]),
 ])
 def test_bad_settings_are_one_line(mtl, clean_error, tiny_toml, overrides, needles):
     args = [a for o in overrides for a in ("--set", o)]

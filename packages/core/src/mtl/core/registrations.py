@@ -89,7 +89,6 @@ class Backend:
     check_available: Callable[[], None] | None = None
     fp8_compiles: bool = True
     check_config: Callable[[Any], None] | None = None
-    generate: Callable[..., Any] | None = None
 
 
 FP8_RECIPES = ("current", "delayed", "rowwise", "blockwise")

@@ -70,10 +70,12 @@ class BertDataset(MaskedDataset):
         pads = s - len(tokens)
         text = np.pad(np.asarray(masked.tokens, np.int64), (0, pads), constant_values=v.pad)
         # Megatron pads the segment ids with the pad id and writes the pad id into the padding
-        # mask at padding positions; kept so samples stay equal for any vocabulary
-        types_array = np.pad(np.asarray(types, np.int64), (0, pads), constant_values=v.pad)
+        # mask at padding positions, which is right only for a pad id of 0 (BERT's): with RoBERTa's
+        # pad id 1 its padding would count as real tokens and as segment 1. Zeros here give the
+        # same samples where the pad id is 0, and the right mask and segments where it is not.
+        types_array = np.pad(np.asarray(types, np.int64), (0, pads), constant_values=0)
         padding_mask = np.ones(s, np.int64)
-        padding_mask[text == v.pad] = v.pad
+        padding_mask[text == v.pad] = 0
         labels = np.full(s, -1, np.int64)
         labels[masked.positions] = masked.labels
         loss_mask = np.zeros(s, np.int64)

@@ -9,6 +9,9 @@ from mtl.core.errors import ConfigError
 FAMILY_KEYS = {
     "bert": {"norm_position": "pre", "type_vocab_size": 0, "position_offset": 0, "binary_head": False},
     "t5": {"relative_attention_num_buckets": 32, "relative_attention_max_distance": 128, "scale_decoder_output": False},
+    "hybrid": {"hybrid_pattern": None, "mamba_state_dim": 128, "mamba_head_dim": 64, "mamba_num_groups": 8,
+               "mamba_expand": 2, "mamba_num_heads": None, "mamba_conv_kernel": 4, "mamba_chunk_size": 128,
+               "mamba_dt_min": 0.0},
 }
 T5_ACTIVATIONS = ("relu", "gated-gelu")  # the MLPs of t5 alone
 
@@ -33,3 +36,8 @@ def refuse_other_families_keys(cfg, family: str) -> None:
 def refuse_encoder_keys(cfg) -> None:
     """The ``check_config`` of gpt-like families."""
     refuse_other_families_keys(cfg, "gpt")
+
+
+def refuse_non_hybrid_keys(cfg) -> None:
+    """The ``check_config`` of the hybrid family."""
+    refuse_other_families_keys(cfg, "hybrid")

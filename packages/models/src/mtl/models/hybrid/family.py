@@ -11,6 +11,7 @@ from mtl.core.registrations import Backend, ModelFamily
 from mtl.models.gpt.model import GPTModel, LayerSpec, build_gpt
 from mtl.models.hybrid import flops
 from mtl.models.hybrid.hf_converter import hybrid_hf_converter
+from mtl.models.family_keys import refuse_non_hybrid_keys
 from mtl.models.hybrid.layer_spec import layer_spec as hybrid_layer_spec
 from mtl.models.mamba.initialization import initialize_ssm_parameters
 
@@ -42,4 +43,5 @@ def hybrid_family(converters: Mapping[str, Any] | None = None) -> ModelFamily:
         layer_spec=hybrid_layer_spec,
         flops_per_iteration=flops.flops_per_iteration,
         layer_flops_per_iteration=flops.layer_flops_per_iteration,
+        check_config=refuse_non_hybrid_keys,
     )

@@ -37,6 +37,10 @@ def check_t5_config(cfg) -> None:
         (m.num_query_groups != m.num_attention_heads, f"model.num_query_groups = {m.num_query_groups}",
          f"{m.num_attention_heads} = model.num_attention_heads (T5's attention is multi-head)"),
         (m.num_experts > 0, f"model.num_experts = {m.num_experts}", "0"),
+        (m.qkv_bias, "model.qkv_bias = true", "false (T5 has no biases)"),
+        (m.qk_norm, "model.qk_norm = true", "false (T5 has none)"),
+        (m.attention_dropout != 0, f"model.attention_dropout = {m.attention_dropout}",
+         "0 (T5 has one dropout rate: model.hidden_dropout)"),
         # not built yet: the stage split (encoder stages, then decoder stages carrying the encoder
         # output), sequence and context parallelism, recompute, CUDA graphs
         (p.pp > 1, f"parallel.pp = {p.pp}", "1 (t5 pipeline stages are not built yet)"),
