@@ -57,17 +57,23 @@ def checkpoint(tmp_path_factory):
     return tmp_path_factory.mktemp("t5_ckpt") / "ckpt"
 
 
+@pytest.fixture(scope="module")
+def dp2_saved(corpus, checkpoint):
+    """The dp2 run, saving its step-3 checkpoint: compared with one process, then resumed at tp2."""
+    world, overrides = LAYOUTS["dp2"]
+    return run_distributed(t5_run, world, args=([*FIRST_HALF, *overrides, f"ckpt.save='{checkpoint}'"], corpus))
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_t5_layout_matches_single_process(layout, reference, corpus, checkpoint):
+def test_t5_layout_matches_single_process(layout, reference, corpus, request):
     world, overrides = LAYOUTS[layout]
-    save = [f"ckpt.save='{checkpoint}'"] if layout == "dp2" else []  # the resume test's starting point
-    compare_with_reference(layout, run_distributed(t5_run, world, args=([*FIRST_HALF, *overrides, *save], corpus)),
-                           reference)
+    results = (request.getfixturevalue("dp2_saved") if layout == "dp2"
+               else run_distributed(t5_run, world, args=([*FIRST_HALF, *overrides], corpus)))
+    compare_with_reference(layout, results, reference)
 
 
-def test_t5_saved_at_dp2_resumes_at_tp2(corpus, checkpoint):
+def test_t5_saved_at_dp2_resumes_at_tp2(corpus, checkpoint, dp2_saved):
     """Steps 4-6 resumed at tp2 from the dp2 run's step-3 checkpoint equal a straight 6-step run."""
-    assert checkpoint.exists(), "runs after test_t5_layout_matches_single_process[dp2], which saves it"
     (straight,) = run_distributed(t5_run, 1, args=(["train.iters=6"], corpus))
     resumed = run_distributed(t5_run, 2, args=(["train.iters=6", *LAYOUTS["tp2"][1], f"ckpt.save='{checkpoint}'"],
                                                corpus))
