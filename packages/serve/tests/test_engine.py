@@ -129,20 +129,22 @@ def test_block_manager_and_kv_memory(make_model):
         engine_for(make_model(), kv_memory="0.5")
 
 
-def test_compiled_decode_step_gives_generate_tokens(make_model, monkeypatch):
+def test_compiled_decode_step_gives_generate_tokens(make_model):
     """Decode steps through torch.compile (inductor here; on CUDA the same graph is replayed as a
     CUDA graph) give `mtl.models.generate`'s tokens. One request inside one block meets a single
     (batch, table width) bucket: one compilation, the slow part of this test on a CPU."""
     import torch._inductor.config
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)  # no worker pool to start on shared cores
     loaded = make_model()
     engine = engine_for(loaded, block_size=16, compile=True)
     assert engine.runner.decode.compiled
     prompt = loaded.tokenizer.encode("Hello")
     graphs = counters["stats"]["unique_graphs"]
-    [outs] = engine.generate([prompt], [SamplingParams(max_tokens=10, temperature=0)])
+    # no worker pool to start on shared cores; config.patch, not monkeypatch: undoing a monkeypatch
+    # of an inductor config entry hides it ("compile_threads does not exist"), failing later compiles
+    with torch._inductor.config.patch(compile_threads=1):
+        [outs] = engine.generate([prompt], [SamplingParams(max_tokens=10, temperature=0)])
     assert new_ids(outs) == generate(loaded.model, prompt, 10, temperature=0, eod=loaded.tokenizer.eod, seed=0)
     assert counters["stats"]["unique_graphs"] == graphs + 1  # the decode steps ran the compiled graph
 

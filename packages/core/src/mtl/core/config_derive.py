@@ -50,7 +50,8 @@ MASKING_DEFAULTS = {"bert": {"masking_max_ngram": 3, "masking_do_full_word": Fal
 
 
 def _derive_masking(d: Any) -> None:
-    for name, value in MASKING_DEFAULTS.get(d.dataset, MASKING_DEFAULTS["bert"]).items():
+    """Only for a masking dataset: another leaves the keys unset (and out of its config diffs)."""
+    for name, value in MASKING_DEFAULTS.get(d.dataset, {}).items():
         if getattr(d, name) is None:
             setattr(d, name, value)
 
