@@ -53,7 +53,7 @@ from mtl.parallel.ddp import sharded_grads
 from mtl.parallel.ddp.bucket_storage import HeldBytes
 from mtl.parallel.ddp.grad_buffer import Bucket, GradBuffer
 from mtl.parallel.ddp.hybrid import reduce_over_replicas, sum_sequence_parallel_shards
-from mtl.parallel.ddp.param_gather import ROOT, LayerGather, gather_units, register_wait_hooks
+from mtl.parallel.ddp.param_gather import ROOT, gather_units, register_wait_hooks, shard_buffers
 from mtl.parallel.ddp.reduce_group import DENSE, EXPERT, ReduceGroup, is_expert_param
 from mtl.parallel.flat_collectives import all_gather_flat, reduce_scatter_flat
 from mtl.parallel.sequence_parallel_grads import allreduce_sequence_parallel_grads, has_sequence_parallel_grad
@@ -123,10 +123,7 @@ class DataParallel(nn.Module):
                        if id(p) in buf.slot_of}
         if use_distributed_optimizer:
             for buf in self.buffers_by_dtype:
-                for slot in buf.slots:
-                    slot.param.dp_owned_grad_range = (0, 0)
-                for slot, first, last in buf.owned_ranges(buf.reduce_group.rank):
-                    slot.param.dp_owned_grad_range = (first, last)
+                buf.mark_owned_grad_ranges()
 
         # summed over TP by finish_grad_sync, in this order on every TP rank (the same module part)
         self._sequence_parallel_params = [p for _, p in named if has_sequence_parallel_grad(p)]
@@ -145,13 +142,8 @@ class DataParallel(nn.Module):
         self._param_gather_hook_handles = (register_wait_hooks(module, self.buckets, self._on_param_gather_waited)
                                             if overlap_param_gather else [])
         self.broadcast_params()
-        self.layer_gather = None  # ZeRO-3's hooks (param_gather.py)
-        if sharding == "parameters":
-            for buf in self.buffers_by_dtype:
-                buf.keep_param_shards_only()
-            self.layer_gather = LayerGather(module, units, unit_of, self.buckets, self.held_bytes)
-        if sharding in ("gradients", "parameters"):
-            sharded_grads.attach_owned_grads(self.buffers_by_dtype)
+        self.layer_gather = shard_buffers(module, sharding, units, unit_of, self.buffers_by_dtype, self.buckets,
+                                          self.held_bytes)
         self.held_bytes.reset_peak()
 
     def _grad_buffers(self, named: list[tuple[str, nn.Parameter]], bucket_size_mb: float,

@@ -279,6 +279,14 @@ class GradBuffer:
         expected = bucket.grad_view.data_ptr() + (slot.start - bucket.start) * bucket.grad_view.element_size()
         return grad is not None and grad.data_ptr() == expected
 
+    def mark_owned_grad_ranges(self) -> None:
+        """``param.dp_owned_grad_range``: each parameter's range of this rank's shard ((0, 0):
+        none), the distributed optimizer's view of the buffer."""
+        for slot in self.slots:
+            slot.param.dp_owned_grad_range = (0, 0)
+        for slot, first, last in self.owned_ranges(self.reduce_group.rank):
+            slot.param.dp_owned_grad_range = (first, last)
+
     def owned_ranges(self, shard_rank: int) -> list[tuple[ParamSlot, int, int]]:
         """This rank's part of every parameter: (slot, first, last) as flat indices into the
         parameter (``param.view(-1)[first:last]``), skipping parameters it owns nothing of."""

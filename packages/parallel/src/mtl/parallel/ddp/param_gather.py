@@ -22,6 +22,7 @@ import contextlib
 import torch
 from torch import nn
 
+from mtl.parallel.ddp import sharded_grads
 from mtl.parallel.ddp.bucket_storage import HeldBytes, allocate, free, is_allocated
 from mtl.parallel.ddp.grad_buffer import Bucket
 from mtl.parallel.flat_collectives import all_gather_flat
@@ -184,3 +185,17 @@ def register_wait_hooks(module: nn.Module, buckets: list[Bucket], wait) -> list:
 
         handles.append(submodule.register_forward_pre_hook(pre_hook))
     return handles
+
+
+def shard_buffers(module: nn.Module, sharding: str, units, unit_of, buffers, buckets: list[Bucket],
+                  held_bytes: HeldBytes) -> LayerGather | None:
+    """ZeRO-2/3 on built buffers: keep only this rank's shards; under "parameters" also the
+    per-layer gather hooks, which it returns (None otherwise)."""
+    layer_gather = None
+    if sharding == "parameters":
+        for buf in buffers:
+            buf.keep_param_shards_only()
+        layer_gather = LayerGather(module, units, unit_of, buckets, held_bytes)
+    if sharding in ("gradients", "parameters"):
+        sharded_grads.attach_owned_grads(buffers)
+    return layer_gather
