@@ -63,8 +63,13 @@ def _counted_grad(param: nn.Parameter, topology: Topology, grads_are_dp_sharded:
 
 
 def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
-    norms = torch._foreach_norm([g if g.dtype == torch.float32 else g.float() for g in grads], 2)
-    return torch.stack(norms).square().sum()
+    grads = [g if g.dtype == torch.float32 else g.float() for g in grads]
+    if grads[0].device.type == "cpu":
+        # The CPU's fp32 norm kernel sums in sequence: 1e-5 relative on a 1M-element gradient,
+        # and another error for each TP shard of it, enough to change the clip coefficient
+        # between layouts. CUDA's kernel sums by tree; on the CPU float64 costs little.
+        return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).square().sum().float()
+    return torch.stack(torch._foreach_norm(grads, 2)).square().sum()
 
 
 def _collective_device(fallback: torch.device | None = None) -> torch.device:
