@@ -28,17 +28,20 @@ def rows(gpus: int) -> list[tuple[str, int, list[str]]]:
 
 
 ROWS: dict[str, tuple[int, list[str]]] = {}
-for _gpus in (2, 4):
+for _gpus in (2, 4, 8):
     for _name, _processes, _args in rows(_gpus):
         # a row listed on both machines (the one-GPU baselines, MoE, sequence 8192) must be the same row
         assert ROWS.setdefault(_name, (_processes, _args)) == (_processes, _args), _name
 
 
 def test_the_script_lists_the_scaling_rows():
-    """The rows the 2-GPU scaling goals are measured with, the 4-GPU rows and FA4's (listed
-    whether or not FA4 is installed here)."""
+    """The rows the 2-GPU scaling goals are measured with, the 4- and 8-GPU rows and FA4's
+    (listed whether or not FA4 is installed here)."""
     assert {"gpu1", "dp2", "tp2_sp_mb16_async", "pp2", "pp2_vpp2", "long_gpu1", "long_cp2", "dp4",
             "tp2_dp2", "gpu1_fa4", "tp2_sp_fa4"} <= set(ROWS)
+    # issue 40's, on 8 GPUs: the reference, MoE at ep=8, the 8B model in bf16 and FP8
+    assert {"dp8", "tp2_dp4", "pp2_dp4", "moe_ep8"} | {f"big_{layout}_{precision}" for layout in
+                                                        ("tp8", "tp4_pp2", "dp8_zero3") for precision in ("bf16", "fp8")} <= set(ROWS)
 
 
 def test_the_pipeline_rows_run_the_measured_splits(monkeypatch):

@@ -75,6 +75,22 @@ MOE_LAYOUTS = {
     "ep2_tp2_sp": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     "ep2_pp2": (4, ["parallel.ep=2", "parallel.pp=2"]),
 }
+# Eight processes (issue 40; tests/gpu/test_eight_processes.py: NCCL on an 8-GPU machine, gloo
+# on the CPU by hand). TINY with 8 heads and 8 query groups, so that tp=8 splits them, and a global
+# batch of 16, so that dp=8 takes one micro-batch of 2 per rank.
+EIGHT_TINY = ["model.num_attention_heads=8", "model.num_query_groups=8", "train.global_batch_size=16"]
+EIGHT_LAYOUTS = {
+    "tp8": (8, ["parallel.tp=8", "parallel.sequence_parallel=true"]),
+    "tp4_pp2": (8, ["parallel.tp=4", "parallel.sequence_parallel=true", "parallel.pp=2"]),
+    "tp2_pp2_dp2": (8, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=2"]),
+    "dp8_zero1": (8, ["parallel.sharding='optimizer'"]),
+    "dp8_zero2": (8, ["parallel.sharding='gradients'"]),
+    "dp8_zero3": (8, ["parallel.sharding='parameters'"]),
+    "dp8_hybrid_zero3": (8, ["parallel.sharding='parameters'", "parallel.dp_replicate=2"]),
+    "cp2_tp2_dp2": (8, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+}
+# MOE_TINY's 4 experts over 4 ranks, each expert held by 2 (expert data parallelism 2).
+EIGHT_MOE_LAYOUTS = {"ep4_dp2": (8, ["parallel.ep=4", "train.global_batch_size=16"])}
 # fp32: the layouts sum the same numbers in a different order, nothing more.
 LOSS_RTOL = 1e-5
 GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-4
