@@ -51,7 +51,18 @@ def two_process_runs(save_dir: str, tokenizer: str) -> dict:
         "moe_ep2_zero3": run_tiny([*MOE_TINY, "parallel.ep=2", "parallel.sharding='parameters'"]),
         "zero3_untied": run_tiny([*UNTIED, "parallel.sharding='parameters'"]),
         "vocabulary_peaks": vocabulary_peaks(tokenizer),
+        "tied_gathers": tied_gathers(),
     }
+
+
+def tied_gathers() -> dict:
+    """One ZeRO-3 step (2 micro-batches) of the tied model: the all-gathers launched, and the
+    buckets its units hold (the head's: the embedding's table)."""
+    (chunk,) = train(load_config(None, [*TINY, "model.num_layers=2", "train.iters=1",
+                                        "parallel.sharding='parameters'"]), progress=False).run.chunks
+    gather = chunk.layer_gather
+    return {"gathers": gather.num_gathers, "unit_buckets": sum(len(b) for b in gather.buckets_of.values()),
+            "borrowing": sorted(gather.borrowing_units), "units": len(chunk.module.gather_units())}
 
 
 def vocabulary_peaks(tokenizer: str) -> dict:
@@ -133,3 +144,13 @@ def test_zero3_peak_is_the_shards_and_one_table_with_its_gradient(two):
     for rank in two:
         peaks = rank["vocabulary_peaks"]
         assert peaks["gpt_units"] <= 4.5 * peaks["table"] + 3 * peaks["layer"], peaks
+
+
+def test_tied_head_gathers_the_embedding_table_for_its_own_forward_and_backward(two):
+    """Every unit's buckets gathered for its forward and again for its backward, per micro-batch:
+    the tied table 4 times, so the head freed it after its backward (else the embedding's
+    backward would find it still whole, and 2 gathers would be missing)."""
+    for rank in two:
+        tied = rank["tied_gathers"]
+        assert tied["borrowing"] == [tied["units"] - 1], tied  # the output layer, the last unit
+        assert tied["gathers"] == 2 * 2 * tied["unit_buckets"], tied
