@@ -2,7 +2,7 @@
 fp32 on CPU with gloo, the first 3 losses within 1e-5 relative and the gradients, gathered to
 their full shape from the ranks' shards, within ``mtl.train.testing``'s tolerances.
 
-- dp=2, ZeRO-3 (parameters gathered per layer, freed, gathered again for backward); its
+- dp=2, ZeRO-3 (parameters gathered per unit, freed, gathered again for backward); its
   checkpoint resumes under ZeRO-2 (gradients reduce-scattered per bucket, shards kept) for
   steps 4-6, whose losses and step-6 gradients equal a straight 6-step run of one process.
 - ep=2 with a mixture of experts under ZeRO-3 (experts sharded over their replicas).
@@ -13,11 +13,10 @@ their full shape from the ranks' shards, within ``mtl.train.testing``'s toleranc
   table lower than when the tables are gathered for the whole step (the grouping of a model
   without ``gather_units``), and the fused LM head + loss stays on.
 
-dp=4 as 2 replicas x 2 shards (hybrid) is checked in mtl-cli's ``test_sharding_dp4.py``, in the
-4-process spawn that measures memory. The other layouts of ``SHARDED_LAYOUTS`` (dp4, tp2 x dp2,
-dp2 x pp2 under ZeRO-3) run the same code paths; ``run_layout`` runs any of them (each
-4-process run costs ~50 s on two shared cores). One spawn per world size: the single process
-runs the references, two processes run the rest.
+The 4-process layouts of ``SHARDED_LAYOUTS`` (dp4, tp2 x dp2, dp2 x pp2 under ZeRO-3, and dp=4
+as 2 replicas x 2 shards) are checked in mtl-cli's ``test_sharding_dp4.py``, in the 4-process
+spawn that measures memory. One spawn per world size: the single process runs the references,
+two processes run the rest.
 """
 
 import json
