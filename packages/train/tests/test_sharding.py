@@ -146,10 +146,11 @@ def test_zero3_peak_is_the_shards_and_one_table_with_its_gradient(two):
 
 
 def test_tied_head_gathers_the_embedding_table_for_its_own_forward_and_backward(two):
-    """Every unit's buckets gathered for its forward and again for its backward, per micro-batch:
-    the tied table 4 times, so the head freed it after its backward (else the embedding's
+    """Every unit's buckets gathered for its forward and again for its backward, per micro-batch,
+    but the head's (the last unit: kept whole from its forward into its backward, which comes
+    next): the tied table 3 times, so the head freed it after its backward (else the embedding's
     backward would find it still whole, and 2 gathers would be missing)."""
     for rank in two:
         tied = rank["tied_gathers"]
         assert tied["borrowing"] == [tied["units"] - 1], tied  # the output layer, the last unit
-        assert tied["gathers"] == 2 * 2 * tied["unit_buckets"], tied
+        assert tied["gathers"] == 2 * (2 * tied["unit_buckets"] - 1), tied

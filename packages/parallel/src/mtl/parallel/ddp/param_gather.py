@@ -6,7 +6,10 @@ gathered one at a time, and one root unit holds every parameter outside them. Ea
 parameters sit in buckets of their own (``GradBuffer(unit_of=...)``):
 
 - forward pre-hook of unit i: wait for its all-gather (or run it), then launch unit i+1's;
-- forward post-hook: free unit i's full parameters (not while backward recomputes it);
+- forward post-hook: free unit i's full parameters (not while backward recomputes it, nor the
+  last unit's when a backward will follow: without pipelining and on 1F1B's last stage that
+  backward comes next, and freeing the head would only gather it again at once; elsewhere it
+  stays whole until its backward, one unit's weights);
 - when the first gradient of unit i's output arrives: gather it again, launch unit i-1's;
 - once a bucket's gradients all arrived (``DataParallel``): free its parameters again.
 
@@ -106,8 +109,9 @@ class LayerGather:
         def hook(_module, args, output):
             if _in_backward():  # recompute: the backward that follows needs the weights
                 return output
-            self.release(index)
             needing_grad = [t for t in _tensors(output) if t.requires_grad]
+            if not (needing_grad and index == self.num_units - 1):  # the last unit: see the module docstring
+                self.release(index)
             if needing_grad:
                 torch.autograd.graph.register_multi_grad_hook(
                     needing_grad, lambda _grads: self._pre_backward(index), mode="any")
