@@ -289,12 +289,12 @@ class DataParallel(nn.Module):
         if self._synced:
             self._synced = False
         bucket.ready.add(id(param))  # a set: a parameter a micro-batch skipped may come twice
-        if bucket.all_ready:
-            self.num_collectives_launched += sharded_grads.launch(bucket, self.held_bytes, self._in_flight)
-            bucket.ready.clear()
+        if bucket.all_ready:  # this unit's backward is done: its weights go before the reduce-scatter's output comes
             if self.layer_gather is not None and bucket.shards_params and \
                     self.layer_gather.unit_of_bucket(bucket) != ROOT:
-                self.layer_gather.release_bucket(bucket)  # this layer's backward is done
+                self.layer_gather.release_bucket(bucket)
+            self.num_collectives_launched += sharded_grads.launch(bucket, self.held_bytes, self._in_flight)
+            bucket.ready.clear()
 
     # ---- communication ---------------------------------------------------------------------
     def _launch(self, bucket: Bucket) -> None:
