@@ -60,8 +60,14 @@ def tied_gathers() -> dict:
     (chunk,) = train(load_config(None, [*TINY, "model.num_layers=2", "train.iters=1",
                                         "parallel.sharding='parameters'"]), progress=False).run.chunks
     gather = chunk.layer_gather
-    return {"gathers": gather.num_gathers, "unit_buckets": sum(len(b) for b in gather.buckets_of.values()),
-            "borrowing": sorted(gather.borrowing_units), "units": len(chunk.module.gather_units())}
+    out = {"gathers": gather.num_gathers, "unit_buckets": sum(len(b) for b in gather.buckets_of.values()),
+           "borrowing": sorted(gather.borrowing_units), "units": len(chunk.module.gather_units())}
+    table = chunk.module.embedding.word_embeddings.weight
+    with chunk.whole_parameters(write_back=True):  # what a checkpoint's load does
+        table.data.fill_(1.5)
+    with chunk.whole_parameters():
+        out["loaded"] = bool((table == 1.5).all()) and chunk.module.output_layer.weight is table
+    return out
 
 
 def vocabulary_peaks(tokenizer: str) -> dict:
@@ -155,3 +161,4 @@ def test_tied_head_gathers_the_embedding_table_for_its_own_forward_and_backward(
         tied = rank["tied_gathers"]
         assert tied["borrowing"] == [tied["units"] - 1], tied  # the output layer, the last unit
         assert tied["gathers"] == 2 * (2 * tied["unit_buckets"] - 1), tied
+        assert tied["loaded"], tied  # a load into the tied table reaches this rank's shard

@@ -178,13 +178,14 @@ class LayerGather:
         try:
             yield
         finally:
-            for buckets in self.buckets_of.values():
-                for bucket in buckets:
-                    if write_back:
-                        lo, hi = bucket.shard_range(bucket.reduce_group.rank)
-                        with torch.no_grad():
-                            bucket.param_shard.copy_(bucket.param_view[lo:hi])
-                    self.release_bucket(bucket)
+            # each bucket once: a tied table's is in two units
+            unique = {id(bucket): bucket for buckets in self.buckets_of.values() for bucket in buckets}
+            for bucket in unique.values():
+                if write_back:
+                    lo, hi = bucket.shard_range(bucket.reduce_group.rank)
+                    with torch.no_grad():
+                        bucket.param_shard.copy_(bucket.param_view[lo:hi])
+                self.release_bucket(bucket)
 
 
 def _tensors(output) -> list[torch.Tensor]:
