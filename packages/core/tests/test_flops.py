@@ -80,8 +80,18 @@ def test_memory_splits_expert_parameters_over_ep_too():
 ])
 def test_memory_follows_the_sharding(sharding, weights, grads, optimizer):
     cfg = config("train.precision='bf16'", f"parallel.sharding='{sharding}'")  # dp = 4
-    mem = memory_per_gpu_bytes(cfg, 4000, activation_bytes_per_layer=None, unit_parameters=(300, 200))
+    mem = memory_per_gpu_bytes(cfg, 4000, activation_bytes_per_layer=None, unit_parameters=(300, 0, 200))
     assert (mem["weights"], mem["grads"], mem["optimizer"]) == (weights, grads, optimizer)
+
+
+def test_zero3_holds_one_vocabulary_table_whole_not_both():
+    """Embedding and head as units of their own (1000 each, layers of 300): held whole are the
+    largest unit and a layer (weights), the table's gradient and a layer's bucket (grads)."""
+    cfg = config("train.precision='bf16'", "parallel.sharding='parameters'")
+    mem = memory_per_gpu_bytes(cfg, 4000, activation_bytes_per_layer=None, unit_parameters=(300, 1000, 0))
+    assert (mem["weights"], mem["grads"]) == (2000 + (1000 + 300) * 2, 4000 + (1000 + 300) * 4)
+    before = memory_per_gpu_bytes(cfg, 4000, activation_bytes_per_layer=None, unit_parameters=(300, 0, 2000))
+    assert before["weights"] - mem["weights"] == (1000 + 300) * 2  # the other table, and the second layer
 
 
 def test_hybrid_sharding_divides_by_the_shard_block_only():

@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from mtl.core.config import RunConfig, pipeline_rank_layers
+from mtl.core.model_protocol import gather_units_of
 
 
 def parameter_counts(model: nn.Module) -> dict[str, int]:
@@ -30,15 +31,22 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
     return counts
 
 
-def gather_unit_sizes(model: nn.Module) -> tuple[int, int]:
-    """(parameters of the largest layer, parameters outside the layers) of ``model``: what
-    ``parallel.sharding = "parameters"`` holds whole at once besides the shards (its gather
-    units are the model's ``compile_units()``)."""
-    units_of = getattr(model, "compile_units", None)
-    units = list(units_of()) if callable(units_of) else []
+def gather_unit_sizes(model: nn.Module) -> tuple[int, int, int]:
+    """(parameters of the largest layer, of the largest other gather unit, outside every unit)
+    of ``model``: what ``parallel.sharding = "parameters"`` gathers whole besides the shards.
+    Its units are ``gather_units_of(model)``; the layers among them are the ``compile_units()``,
+    the others GPT's embedding and output layer (``mtl.core.model_protocol``)."""
+    units = gather_units_of(model)
+    compile_units = getattr(model, "compile_units", None)
+    layer_ids = {id(unit) for unit in compile_units()} if callable(compile_units) else set()
+
+    def size(unit: nn.Module) -> int:
+        return sum(p.numel() for p in unit.parameters())
+
     in_units = {id(p) for unit in units for p in unit.parameters()}
-    largest = max((sum(p.numel() for p in unit.parameters()) for unit in units), default=0)
-    return largest, sum(p.numel() for p in model.parameters() if id(p) not in in_units)
+    largest_layer = max((size(u) for u in units if id(u) in layer_ids), default=0)
+    largest_other = max((size(u) for u in units if id(u) not in layer_ids), default=0)
+    return largest_layer, largest_other, sum(p.numel() for p in model.parameters() if id(p) not in in_units)
 
 
 def memory_per_gpu_bytes(cfg: RunConfig, num_parameters: int, activation_bytes_per_layer: float | None,
@@ -55,11 +63,12 @@ def memory_per_gpu_bytes(cfg: RunConfig, num_parameters: int, activation_bytes_p
     (experts: their dp / ep x cp): "optimizer" the optimizer state, "gradients" also the grads,
     "parameters" also the weights. What is then held whole besides the shards is added: under
     "gradients" and "parameters" two gradient buckets (one filling, one reduce-scattering; a
-    bucket is a layer or ``parallel.bucket_size_mb``, whichever is smaller)
-    and the gradients outside the layers, and under "parameters" two layers' weights (the one
-    running and the next one's gather) and the weights outside the layers, gathered for the
-    whole step; ``unit_parameters`` = (largest layer, outside the layers) before tp x pp,
-    from ``gather_unit_sizes``. Activations: one micro-batch per in-flight pipeline stage on
+    bucket is a layer or ``parallel.bucket_size_mb``, whichever is smaller, but a vocabulary
+    table's is the whole table, one parameter) and the gradients outside every unit, and under
+    "parameters" two units' weights (the one running, the largest, and the next one's gather,
+    a layer) and the weights outside every unit, gathered for the whole step;
+    ``unit_parameters`` = (largest layer, largest other unit, outside every unit) before
+    tp x pp, from ``gather_unit_sizes``. Activations: one micro-batch per in-flight pipeline stage on
     the rank that keeps the most (``activation_bytes_per_layer`` from the family; left out when
     it has none)."""
     p, t = cfg.parallel, cfg.train
@@ -79,12 +88,12 @@ def memory_per_gpu_bytes(cfg: RunConfig, num_parameters: int, activation_bytes_p
     main_bytes = 0 if weight_bytes == 4 else 4  # the fp32 main copy of 16-bit weights
     out = {"weights": per_rank(weight_bytes, 3), "grads": per_rank(4, 2), "optimizer": per_rank(8 + main_bytes, 1)}
     if level >= 2 and unit_parameters is not None:
-        layer, outside = (n / split for n in unit_parameters)
+        layer, table, outside = (n / split for n in unit_parameters)
         # a bucket ends at a layer's end or at parallel.bucket_size_mb (of the weights' dtype), whichever first
         bucket = min(layer, p.bucket_size_mb * 2**20 / weight_bytes)
-        out["grads"] += (2 * bucket + outside) * 4
+        out["grads"] += (max(bucket, table) + bucket + outside) * 4
         if level == 3:
-            out["weights"] += (2 * layer + outside) * weight_bytes
+            out["weights"] += (max(layer, table) + layer + outside) * weight_bytes
     if activation_bytes_per_layer is not None:
         # 1F1B keeps up to pp - r micro-batches alive on rank r: the busiest holds the most
         ranks = pipeline_rank_layers(cfg.model.num_layers, p)

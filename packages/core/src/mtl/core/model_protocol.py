@@ -45,6 +45,11 @@ class LanguageModel(Protocol):
       called by the schedule before each ``forward``.
     - ``compile_units() -> list[nn.Module]``: the modules ``train.compile`` compiles, one
       region each (GPT: the transformer layers, which share one graph, and the final norm).
+    - optional, ``gather_units() -> list[nn.Module]``: what ``parallel.sharding = "parameters"``
+      (ZeRO-3) gathers as one, just before each call, in the order the forward calls them
+      (GPT: the embedding, the ``compile_units()``, the output layer; a table tied to the
+      embedding is in both its units). Without it the units are the ``compile_units()``; the
+      parameters in no unit are gathered for the whole step (``gather_units_of``).
     - optional, ``capture_cuda_graphs(micro_batch_size) -> int``: capture the layers'
       training forward and backward as CUDA graphs (``train.cuda_graphs``; a family without
       it gets a clear error when the key is set).
@@ -84,6 +89,16 @@ class LanguageModel(Protocol):
 
 
 PROTOCOL_MEMBERS = ("config", "pre_process", "post_process", "forward", "set_input_tensor", "compile_units")
+
+
+def gather_units_of(model: nn.Module) -> list[nn.Module]:
+    """ZeRO-3's gather units of ``model``: its ``gather_units()``, else its ``compile_units()``,
+    else none. DataParallel and the dry-run's memory estimate both read them here."""
+    for method in ("gather_units", "compile_units"):
+        units_of = getattr(model, method, None)
+        if callable(units_of):
+            return list(units_of())
+    return []
 
 
 def tag_init(param: nn.Parameter, kind: str) -> nn.Parameter:

@@ -135,6 +135,14 @@ class GPTModel(nn.Module):
         layers' units are their deferred steps (``residual_deferral.py``)."""
         return [*block_compile_units(self.layers), *([self.final_norm] if self.post_process else [])]
 
+    def gather_units(self) -> list[nn.Module]:
+        """ZeRO-3's gather units, in forward order: the embedding, the compile units, the output
+        layer. The two vocabulary tables (each 1 GB in bf16 for a 128k vocabulary at hidden 4096)
+        are then gathered only around their own forward and backward, not for the whole step; a
+        head tied to the embedding on this stage shares its unit's parameter (gathered twice)."""
+        return [*([self.embedding] if self.pre_process else []), *self.compile_units(),
+                *([self.output_layer] if self.post_process else [])]
+
     def capture_cuda_graphs(self, micro_batch_size: int) -> int:
         """``train.cuda_graphs``: capture each layer's training forward and backward for
         micro-batches of ``micro_batch_size`` (``cuda_graphs.py``); returns how many layers.

@@ -128,6 +128,9 @@ class DataParallel(nn.Module):
         # summed over TP by finish_grad_sync, in this order on every TP rank (the same module part)
         self._sequence_parallel_params = [p for _, p in named if has_sequence_parallel_grad(p)]
         self._in_flight: list[Bucket] = []  # ZeRO-2/3: the bucket whose reduce-scatter runs
+        if sharding in ("gradients", "parameters"):  # a micro-batch's last bucket (the embedding's)
+            # is completed when the next forward starts, not held at the next backward's peak
+            module.register_forward_pre_hook(lambda _m, _a: self._complete_in_flight())
         self._sync_enabled = True  # False inside no_sync()
         self._synced = False  # finish_grad_sync() done since the last backward / zero_grad
         self._next_launch = 0  # index into self.buckets of the next collective to start
@@ -271,6 +274,11 @@ class DataParallel(nn.Module):
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
 
+    def _complete_in_flight(self) -> None:
+        for bucket in self._in_flight:
+            sharded_grads.complete(bucket, self.held_bytes)
+        self._in_flight.clear()
+
     def _on_sharded_grad(self, bucket: Bucket, slot, param: nn.Parameter) -> None:
         """ZeRO-2/3: every micro-batch reduce-scatters its buckets as they fill (no_sync does
         not hold them back: a full gradient is never kept past its bucket)."""
@@ -281,12 +289,12 @@ class DataParallel(nn.Module):
         if self._synced:
             self._synced = False
         bucket.ready.add(id(param))  # a set: a parameter a micro-batch skipped may come twice
-        if bucket.all_ready:
-            self.num_collectives_launched += sharded_grads.launch(bucket, self.held_bytes, self._in_flight)
-            bucket.ready.clear()
+        if bucket.all_ready:  # this unit's backward is done: its weights go before the reduce-scatter's output comes
             if self.layer_gather is not None and bucket.shards_params and \
                     self.layer_gather.unit_of_bucket(bucket) != ROOT:
-                self.layer_gather.release_bucket(bucket)  # this layer's backward is done
+                self.layer_gather.release_bucket(bucket)
+            self.num_collectives_launched += sharded_grads.launch(bucket, self.held_bytes, self._in_flight)
+            bucket.ready.clear()
 
     # ---- communication ---------------------------------------------------------------------
     def _launch(self, bucket: Bucket) -> None:

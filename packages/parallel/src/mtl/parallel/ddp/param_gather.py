@@ -1,18 +1,31 @@
-"""ZeRO-3 (``sharding = "parameters"``): parameters gathered per layer just before use.
+"""ZeRO-3 (``sharding = "parameters"``): parameters gathered per unit just before use.
 
-The model's gather units are its ``compile_units()`` (the transformer layers; a model without
-the method has none) and one root unit of every parameter outside them (embedding, final norm,
-head). Each unit's parameters sit in buckets of their own (``GradBuffer(unit_of=...)``):
+The model's gather units (``mtl.core.model_protocol.gather_units_of``: GPT's embedding, its
+transformer layers and final norm, its output layer; a model without the methods has none) are
+gathered one at a time, and one root unit holds every parameter outside them. Each unit's
+parameters sit in buckets of their own (``GradBuffer(unit_of=...)``):
 
-- forward pre-hook of layer i: wait for its all-gather (or run it), then launch layer i+1's;
-- forward post-hook: free layer i's full parameters (not while backward recomputes it);
-- when the first gradient of layer i's output arrives: gather it again, launch layer i-1's;
+- forward pre-hook of unit i: wait for its all-gather (or run it), then launch unit i+1's;
+- forward post-hook: free unit i's full parameters (not while backward recomputes it, nor the
+  last unit's when a backward will follow: without pipelining and on 1F1B's last stage that
+  backward comes next, and freeing the head would only gather it again at once; elsewhere it
+  stays whole until its backward, one unit's weights);
+- when the first gradient of unit i's output arrives: gather it again, launch unit i-1's;
 - once a bucket's gradients all arrived (``DataParallel``): free its parameters again.
 
+A parameter in two units (an output layer tied to the embedding: the first and the last use of
+one table) has its buckets in the first; the later unit gathers them too, and frees them once
+its backward has produced its inputs' gradients, before the first unit's backward gathers them
+again (their gradient, the sum of both uses, arrives only after that one).
+
+The output layer under the fused loss (``linear_cross_entropy.py``) is not called as a module:
+its forward hooks here are flagged ``WEIGHTS_ONLY_HOOK`` so that the fused path runs them on the
+loss instead of falling back to whole logits.
+
 The root unit is gathered by the model's forward pre-hook and kept until ``release_all``
-(the end of the step's gradient sync, or ``zero_grad``): the tied head reads the embedding
-table after every layer ran. All-gathers run over each bucket's shard group, in the same
-order on every rank (autograd's order is the same on every data-parallel replica).
+(the end of the step's gradient sync, or ``zero_grad``). All-gathers run over each bucket's
+shard group, in the same order on every rank (autograd's order is the same on every
+data-parallel replica).
 """
 
 from __future__ import annotations
@@ -25,17 +38,19 @@ from torch import nn
 from mtl.parallel.ddp import sharded_grads
 from mtl.parallel.ddp.bucket_storage import HeldBytes, allocate, free, is_allocated
 from mtl.parallel.ddp.grad_buffer import Bucket
+from mtl.core.model_protocol import gather_units_of
 from mtl.parallel.flat_collectives import all_gather_flat
+from mtl.parallel.tensor_parallel.linear_cross_entropy import WEIGHTS_ONLY_HOOK
 
 ROOT = -1  # the unit of every parameter outside the model's layers
 
 
 def gather_units(module: nn.Module) -> tuple[list[nn.Module], dict[int, int]]:
-    """(the layer modules, ``id(param)`` -> unit index) with ``ROOT`` for the rest."""
-    units_of = getattr(module, "compile_units", None)
-    units = list(units_of()) if callable(units_of) else []
+    """(the unit modules in forward order, ``id(param)`` -> unit index) with ``ROOT`` for the
+    rest; a parameter in several units (a tied table) belongs to the first."""
+    units = gather_units_of(module)
     unit_of = {id(p): ROOT for p in module.parameters()}
-    for index, unit in enumerate(units):
+    for index, unit in reversed(list(enumerate(units))):
         for param in unit.parameters():
             unit_of[id(param)] = index
     return units, unit_of
@@ -54,11 +69,23 @@ class LayerGather:
         self.num_units = len(units)
         self.buckets_of: dict[int, list[Bucket]] = {}
         self._unit_of_bucket: dict[int, int] = {}
+        bucket_of_param = {}
         for bucket in buckets:
             if bucket.shards_params:
                 unit = unit_of[id(bucket.slots[0].param)]
                 self.buckets_of.setdefault(unit, []).append(bucket)
                 self._unit_of_bucket[id(bucket)] = unit
+                bucket_of_param.update((id(slot.param), bucket) for slot in bucket.slots)
+        # units that also use an earlier unit's parameter (a tied output layer): they gather its
+        # buckets as well, and free them after their own backward
+        self.borrowing_units: set[int] = set()
+        for index, unit in enumerate(units):
+            for param in unit.parameters():
+                bucket = bucket_of_param.get(id(param))
+                if bucket is not None and unit_of[id(param)] != index and \
+                        all(bucket is not b for b in self.buckets_of.setdefault(index, [])):
+                    self.buckets_of[index].append(bucket)
+                    self.borrowing_units.add(index)
         self.num_gathers = 0  # all-gathers launched since construction; tests read it
         self.handles = [module.register_forward_pre_hook(lambda _m, _a: self.gather(ROOT))]
         for index, unit in enumerate(units):
@@ -79,15 +106,23 @@ class LayerGather:
 
     def _post_forward(self, index: int):
         @torch._dynamo.disable
-        def hook(_module, _args, output):
+        def hook(_module, args, output):
             if _in_backward():  # recompute: the backward that follows needs the weights
                 return output
-            self.release(index)
             needing_grad = [t for t in _tensors(output) if t.requires_grad]
+            if not (needing_grad and index == self.num_units - 1):  # the last unit: see the module docstring
+                self.release(index)
             if needing_grad:
                 torch.autograd.graph.register_multi_grad_hook(
                     needing_grad, lambda _grads: self._pre_backward(index), mode="any")
+            inputs_needing_grad = [t for t in _tensors(args) if t.requires_grad]
+            if index in self.borrowing_units and inputs_needing_grad:
+                # the inputs' gradients exist once this unit's backward ran: the borrowed weights
+                # are not needed again until the unit owning them runs its backward
+                torch.autograd.graph.register_multi_grad_hook(
+                    inputs_needing_grad, lambda _grads: self.release(index), mode="all")
             return output
+        setattr(hook, WEIGHTS_ONLY_HOOK, True)  # reads the output only for its gradient: the fused loss may pass the loss
         return hook
 
     @torch._dynamo.disable
@@ -143,13 +178,14 @@ class LayerGather:
         try:
             yield
         finally:
-            for buckets in self.buckets_of.values():
-                for bucket in buckets:
-                    if write_back:
-                        lo, hi = bucket.shard_range(bucket.reduce_group.rank)
-                        with torch.no_grad():
-                            bucket.param_shard.copy_(bucket.param_view[lo:hi])
-                    self.release_bucket(bucket)
+            # each bucket once: a tied table's is in two units
+            unique = {id(bucket): bucket for buckets in self.buckets_of.values() for bucket in buckets}
+            for bucket in unique.values():
+                if write_back:
+                    lo, hi = bucket.shard_range(bucket.reduce_group.rank)
+                    with torch.no_grad():
+                        bucket.param_shard.copy_(bucket.param_view[lo:hi])
+                self.release_bucket(bucket)
 
 
 def _tensors(output) -> list[torch.Tensor]:

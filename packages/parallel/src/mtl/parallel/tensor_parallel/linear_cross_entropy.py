@@ -78,6 +78,10 @@ from mtl.parallel.tensor_parallel.wgrad_fusion import accumulate_weight_grad, fu
 # model's 50304-word vocabulary, a GEMM of 2048 x 2048 x 50304: large enough to run at full
 # speed, small against the ~3.3 GB the unchunked loss holds for 8192 tokens.
 DEFAULT_CHUNK_BYTES = 512 * 2**20
+# A forward hook with this attribute set to True only manages the layer's weights (ZeRO-3 frees
+# them after the call, ``ddp/param_gather.py``) and reads the output only to hook its gradient:
+# the fused path runs it on the per-token loss rather than falling back to whole logits.
+WEIGHTS_ONLY_HOOK = "mtl_weights_only"
 # Keep the logits for backward (16-bit compute only) when they take at most this much: the
 # reference model's micro-batch (8192 tokens x 50304 words in bf16) is 0.8 GB.
 MAX_SAVED_LOGITS_BYTES = 2 * 2**30
@@ -274,7 +278,8 @@ def supports_fused_cross_entropy(layer: nn.Module) -> bool:
     yes only for mtl.parallel's own ``ColumnParallelLinear`` with its own ``forward`` and
     ``local_linear`` (so not a quantized subclass such as mtl-quant's FP8 layer, nor another
     backend's module, e.g. Transformer Engine's), without bias or ``gather_output``, and
-    without forward hooks that expect the logits (forward *pre*-hooks are run)."""
+    without forward hooks that expect the logits (forward *pre*-hooks are run, and so are the
+    hooks flagged ``WEIGHTS_ONLY_HOOK``, on the loss)."""
     flag = getattr(layer, "fused_cross_entropy", None)
     if flag is not None:
         return bool(flag)
@@ -284,7 +289,7 @@ def supports_fused_cross_entropy(layer: nn.Module) -> bool:
         and type(layer).local_linear is ColumnParallelLinear.local_linear
         and layer.bias is None
         and not layer.gather_output
-        and not layer._forward_hooks
+        and all(getattr(hook, WEIGHTS_ONLY_HOOK, False) for hook in layer._forward_hooks.values())
         and not nn.modules.module._global_forward_hooks
     )
 
@@ -305,6 +310,16 @@ def _run_forward_pre_hooks(module: nn.Module, args: tuple) -> tuple:
     return args
 
 
+def _run_weights_only_hooks(module: nn.Module, args: tuple, loss: torch.Tensor) -> None:
+    """The module's forward hooks flagged ``WEIGHTS_ONLY_HOOK`` (the only ones a fused layer
+    has), given the loss for the logits they never read."""
+    for hook_id, hook in module._forward_hooks.items():
+        if hook_id in module._forward_hooks_with_kwargs:
+            hook(module, args, {}, loss)
+        else:
+            hook(module, args, loss)
+
+
 def output_layer_cross_entropy(
     layer: nn.Module,
     hidden: torch.Tensor,
@@ -319,13 +334,15 @@ def output_layer_cross_entropy(
     fp32 loss ``[s, b]`` for ``hidden`` ``[s, b, h]`` (``[s/tp, b, h]`` under the layer's
     sequence parallelism) and ``target`` ``[s, b]``. ``layer`` must pass
     ``supports_fused_cross_entropy``."""
-    (hidden,) = _run_forward_pre_hooks(layer, (hidden,))
+    args = _run_forward_pre_hooks(layer, (hidden,))
     tp, tp_rank, group = getattr(layer, "tp", 1), getattr(layer, "tp_rank", 0), getattr(layer, "tp_group", None)
     if getattr(layer, "sequence_parallel", False):
-        hidden = mappings.gather_from_sequence_parallel(hidden, group)  # [s/tp, b, h] -> [s, b, h]
+        hidden = mappings.gather_from_sequence_parallel(args[0], group)  # [s/tp, b, h] -> [s, b, h]
     else:
-        hidden = mappings.copy_to_tensor_parallel(hidden, group)
-    return linear_cross_entropy(
+        hidden = mappings.copy_to_tensor_parallel(args[0], group)
+    loss = linear_cross_entropy(
         hidden, layer.weight, target, group=group if tp > 1 else None, tp_rank=tp_rank,
         vocab_size=vocab_size, chunk_bytes=chunk_bytes, compile=compile, save_logits=save_logits,
     )
+    _run_weights_only_hooks(layer, args, loss)
+    return loss
