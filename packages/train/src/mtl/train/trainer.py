@@ -127,13 +127,14 @@ class Trainer:
         if start.directory is None:
             return 0, 0
         metadata = start_metadata(start)
-        check_compatible(metadata["config"], cfg, start.directory, start.iteration)
+        finetune = start.key == "ckpt.finetune_from"
+        check_compatible(metadata["config"], cfg, start.directory, start.iteration, finetune=finetune)
         note = layout_change_note(metadata, cfg, run.topology, run.device.type, start.full_resume)
         if note and self.rank0:
             log.info("%s", note)
         metadata = read_start(start, load_checkpoint, cfg, run.topology, run.chunks, run.optimizer,
                                          start.directory, load_optimizer=start.full_resume,
-                                         iteration=start.iteration)
+                                         iteration=start.iteration, fresh_heads=finetune)
         roll_back_latest(cfg, start)
         iteration, consumed = 0, 0
         if start.full_resume and not metadata.get("model_only"):
