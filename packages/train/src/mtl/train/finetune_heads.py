@@ -31,6 +31,8 @@ def leave_fresh_heads(template: dict, chunks: list, directory: str, iteration: i
     """Take out of ``template`` (checkpoint key -> ShardedTensor) the head weights ``directory``
     cannot fill, so they keep their fresh initialisation, and say so in one line (rank 0)."""
     prefixes = _head_prefixes(chunks)
+    if not prefixes:  # a model without a replaceable head: the load takes every weight, as a resume does
+        return
     stored = read_manifest(directory, iteration)["tensors"]
     fresh = []
     for key, target in list(template.items()):
