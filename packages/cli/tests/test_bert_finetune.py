@@ -77,7 +77,8 @@ def finetuned(pretrained, tmp_path_factory):
     from mtl.cli.main import cli
 
     logs = tmp_path_factory.mktemp("finetune_logs")
-    sets = overrides(pretrained, [*FINETUNE, "train.device='cpu'", f"logging.dir='{logs}'"])
+    sets = overrides(pretrained, [*FINETUNE, "train.device='cpu'", f"logging.dir='{logs}'", "train.eval_interval=12",
+                                  "train.eval_iters=2"])
     handler = logging.StreamHandler(io.StringIO())
     logging.getLogger("mtl").addHandler(handler)
     try:
@@ -86,11 +87,12 @@ def finetuned(pretrained, tmp_path_factory):
         logging.getLogger("mtl").removeHandler(handler)
     assert result.exit_code == 0, result.output
     steps = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
-    return result.output + handler.stream.getvalue(), [s for s in steps if "accuracy" in s]
+    return result.output + handler.stream.getvalue(), steps
 
 
 def test_finetune_learns_the_task(finetuned):
-    said, steps = finetuned
+    said, logged = finetuned
+    steps = [s for s in logged if "accuracy" in s]
     assert "fresh head weights: pooler.dense.weight (not in the checkpoint)" in said
     assert "classifier.weight (not in the checkpoint)" in said and "left out (no place in this model): lm_head" in said
     assert len(steps) == 12
@@ -98,12 +100,14 @@ def test_finetune_learns_the_task(finetuned):
     mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
     assert mean(last, "loss") < 0.5 * mean(first, "loss"), steps
     assert mean(first, "accuracy") < 0.8 and mean(last, "accuracy") == 1.0, steps
+    (validation,) = [s for s in logged if "val_loss" in s]  # the held-out 10% of the lines, at the end
+    assert validation["step"] == 12 and validation["val_accuracy"] == 1.0 and validation["val_loss"] < 0.2
 
 
 def test_tp2_finetunes_like_one_process(pretrained, finetuned):
     """The first 3 steps at tp2 + sequence parallelism: the one-process run's losses, and the
     replicated classifier's gradients equal on both TP ranks."""
-    _, steps = finetuned
+    steps = [s for s in finetuned[1] if "accuracy" in s]
     sets = overrides(pretrained, [*FINETUNE, "train.exit_interval=3", "parallel.tp=2", "parallel.sequence_parallel=true"])
     results = run_distributed(run_tiny, 2, args=(sets,))
     losses = next(r["losses"] for r in results if r["last_stage"])
