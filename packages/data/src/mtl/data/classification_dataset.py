@@ -101,6 +101,7 @@ class ClassificationDataset(torch.utils.data.Dataset):
             self.padding_mask[row, :len(tokens)] = 1
         self.num_samples, self.count = num_samples, count
         self.seed, self.split_id, self.shuffled = seed, SPLITS.index(split), split == "train"
+        self._order: tuple[int, np.ndarray | None] = (-1, None)  # (epoch, its permutation)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -109,8 +110,11 @@ class ClassificationDataset(torch.utils.data.Dataset):
         epoch, position = divmod(idx, self.count)
         if not self.shuffled:
             return position
-        # one permutation per epoch, a function of (seed, epoch) alone: any sample is found directly
-        return int(np.random.default_rng([self.seed, self.split_id, epoch]).permutation(self.count)[position])
+        # one permutation per epoch, a function of (seed, epoch) alone, so any sample is found
+        # directly; the current epoch's is kept (samples are read in order, epoch after epoch)
+        if self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng([self.seed, self.split_id, epoch]).permutation(self.count))
+        return int(self._order[1][position])
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         if not 0 <= idx < self.num_samples:
