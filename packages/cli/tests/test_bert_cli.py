@@ -28,11 +28,17 @@ def test_dry_run_shows_the_encoder(mtl, ok, tiny_toml):
     (["model.mamba_state_dim=64"], ["model.mamba_state_dim", "model.family = 'hybrid'"]),
     (["model.family='hybrid'", "model.hybrid_pattern='M*'", "model.mamba_head_dim=8", "model.mamba_num_groups=1",
       "model.binary_head=true"], ["model.binary_head"]),
+    # sequence classification: what it refuses, and the dataset it needs
+    (["model.num_labels=2"], ["model.num_labels", "model.family = 'bert'"]),
+    (BERT_KEYS + ["model.num_labels=1"], ["model.num_labels = 1 (regression)", "2 or more classes"]),
+    (BERT_KEYS + ["model.num_labels=2", "model.binary_head=true"], ["model.binary_head = true", "false"]),
+    (BERT_KEYS + ["model.num_labels=2", "parallel.pp=2"], ["parallel.pp = 2", "unpipelined"]),
+    (BERT_KEYS + ["model.num_labels=2"], ["data.dataset = 'bert'", "set data.dataset = 'classification'"]),
     (["model.family='t5'", "model.activation='relu'", "model.normalization='rmsnorm'", "model.bias=false",
       "model.qkv_bias=true", "data.dataset='t5'"],
      ["model.qkv_bias = true", "T5 has no biases"]),
 ])
 def test_bad_settings_are_one_line(mtl, clean_error, tiny_toml, overrides, needles):
     args = [a for o in overrides for a in ("--set", o)]
-    dry_run = ["--dry-run"] if "parallel.pp=4" in overrides else []  # a dry run takes the world the layout needs
+    dry_run = ["--dry-run"] if {"parallel.pp=4", "parallel.pp=2"} & set(overrides) else []  # a dry run takes the world the layout needs
     clean_error(mtl("train", tiny_toml, *args, *dry_run), *needles)

@@ -60,8 +60,9 @@ MEANINGS = {
     "parallel.bucket_size_mb": "gradient bucket size for the data-parallel reduce",
     "parallel.last_stage_layers": "layers on the last pipeline stage (see first_stage_layers)",
     "data.paths": 'preprocessed prefixes (`.bin/.idx` without the suffix): `["prefix"]`, or `[[0.7, "a"], [0.3, "b"]]` '
-                  "to blend by (normalised) weight",
-    "data.split": "train, valid, test proportions of the documents",
+                  "to blend by (normalised) weight; data.dataset = 'classification': JSONL files of "
+                  '`{"text", "text_pair" (optional), "label"}` lines, read in order',
+    "data.split": "train, valid, test proportions of the documents (classification: of the JSONL lines)",
     "data.tokenizer": "tokenizer (a registry name: byte, hf, gpt2-bpe, sentencepiece, tiktoken)",
     "data.tokenizer_model": "the tokenizer's file or directory, where it needs one",
     "data.num_workers": "data loader worker processes",

@@ -112,6 +112,10 @@ class ModelConfig:
     # so its table has two rows before the first position); the table holds max_position_embeddings + offset rows
     position_offset: int = 0
     binary_head: bool = False  # bert: a pooler on the first token and a 2-way head (NSP / sentence order), trained on is_random
+    # bert: > 0 replaces the pre-training heads with sequence classification over this many labels
+    # (HF BertForSequenceClassification: pooler on [CLS], dropout, linear; cross-entropy, accuracy),
+    # trained on data.dataset = 'classification'; 0: the masked-LM (and binary) heads
+    num_labels: int = 0
     # t5: decoder layers (the encoder has num_layers); derived: = num_layers
     num_decoder_layers: int | None = None
     # t5: buckets of the relative position bias (half per direction in the encoder; T5's 32)
@@ -193,7 +197,7 @@ class DataConfig:
     split: str = "98,1,1"
     tokenizer: str = "byte"
     tokenizer_model: str | None = None
-    dataset: str = "gpt"  # gpt | bert | t5 | mock (a registry name)
+    dataset: str = "gpt"  # gpt | bert | t5 | classification | mock (a registry name)
     cache_dir: str | None = None  # index cache; default: beside the first data prefix
     num_workers: int = 0
     mock_num_samples: int = 4096

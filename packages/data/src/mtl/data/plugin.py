@@ -6,6 +6,7 @@ from mtl.core.hookspecs import hookimpl
 from mtl.core.registrations import DatasetSpec, TokenizerSpec
 from mtl.data.bert_dataset import build_bert_dataset
 from mtl.data.blended_dataset import build_gpt_dataset
+from mtl.data.classification_dataset import build_classification_dataset
 from mtl.data.mock_dataset import build_mock_dataset
 from mtl.data.t5_dataset import build_t5_dataset
 from mtl.data.tokenizers.byte import build_byte_tokenizer
@@ -34,5 +35,7 @@ def mtl_datasets() -> list[DatasetSpec]:
                     "Megatron-Core's BERT samples (masked LM, sentence pairs) over sentence-split .bin/.idx"),
         DatasetSpec("t5", build_t5_dataset,
                     "Megatron-Core's T5 samples (span corruption with sentinels) over .bin/.idx"),
+        DatasetSpec("classification", build_classification_dataset,
+                    "sequence classification (bert with model.num_labels) from JSONL lines of text, text_pair, label"),
         DatasetSpec("mock", build_mock_dataset, "deterministic random tokens"),
     ]

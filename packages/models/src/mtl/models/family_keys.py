@@ -7,7 +7,8 @@ from mtl.core.errors import ConfigError
 
 # family -> {model key: the value that leaves it off}
 FAMILY_KEYS = {
-    "bert": {"norm_position": "pre", "type_vocab_size": 0, "position_offset": 0, "binary_head": False},
+    "bert": {"norm_position": "pre", "type_vocab_size": 0, "position_offset": 0, "binary_head": False,
+             "num_labels": 0},
     "t5": {"relative_attention_num_buckets": 32, "relative_attention_max_distance": 128, "scale_decoder_output": False},
     "hybrid": {"hybrid_pattern": None, "mamba_state_dim": 128, "mamba_head_dim": 64, "mamba_num_groups": 8,
                "mamba_expand": 2, "mamba_num_heads": None, "mamba_conv_kernel": 4, "mamba_chunk_size": 128,

@@ -36,6 +36,7 @@ from mtl.parallel.param_layout import param_layout
 from mtl.parallel.random import get_rng_tracker
 from mtl.parallel.topology import Topology
 from mtl.train import extra_state
+from mtl.train.finetune_heads import leave_fresh_heads
 from mtl.train.layout_change import extra_state_layout_change, same_rng_layout
 from mtl.train.seeding import resume_seed, seed_everything
 
@@ -220,12 +221,14 @@ def _device_type(chunks: list) -> str:
 
 
 def load_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimizer, directory: str,
-                    load_optimizer: bool = True, iteration: int | None = None) -> dict:
+                    load_optimizer: bool = True, iteration: int | None = None, fresh_heads: bool = False) -> dict:
     """Load ``iteration`` of ``directory`` (its latest by default) in place, from any layout;
     returns the metadata (iteration, consumed_samples, loss_scaler, ...). ``load_optimizer=False``
     reads the weights only (a fine-tuning start: the caller starts the iteration, schedule and
     optimizer afresh). RNG states come back where the layout is the saved one; elsewhere the
-    streams are re-seeded from ``(train.seed, iteration)`` (``layout_change`` says which)."""
+    streams are re-seeded from ``(train.seed, iteration)`` (``layout_change`` says which).
+    ``fresh_heads`` (a ``ckpt.finetune_from`` start): the model's new head weights the
+    checkpoint cannot fill keep their initialisation (``finetune_heads.leave_fresh_heads``)."""
     fmt = checkpoint_format(config)
     iteration = latest_iteration(directory) if iteration is None else iteration
     metadata = read_metadata(directory, iteration)
@@ -237,6 +240,8 @@ def load_checkpoint(config: RunConfig, topology: Topology, chunks: list, optimiz
         template.update(optimizer_load_template(optimizer, topology, chunks))
     elif optimizer.has_main_params:  # weights only: straight into the fp32 main weights
         template.update(optimizer_load_template(optimizer, topology, chunks, names=(MAIN_PARAM,)))
+    if fresh_heads:
+        leave_fresh_heads(template, chunks, directory, iteration)
     if same_rng:
         template.update(rng_sharded_state(topology))
     extra_bytes = metadata.get(extra_state.METADATA_KEY, 0)

@@ -31,6 +31,12 @@ LAYOUT_DERIVED = ("model.padded_vocab_size", "model.make_vocab_size_divisible_by
 # The data a run trains on: a ckpt.save directory holding another value belongs to another run.
 RUN_DATA_KEYS = ("data.paths", "data.split", "data.tokenizer", "data.tokenizer_model", "data.dataset",
                  "data.mock_num_samples")
+# What a fine-tuning start (ckpt.finetune_from) may change of the model it takes the weights from:
+# its heads (a classifier in place of the pre-training heads; finetune_heads.py initialises what
+# the checkpoint lacks), the sequence length (the position table keeps model.max_position_embeddings)
+# and dropout, none of which changes a stored weight's shape.
+FINETUNE_CHANGES = ("model.num_labels", "model.binary_head", "model.seq_length", "model.hidden_dropout",
+                    "model.attention_dropout")
 # The schedule's length: may change on resume (one warning line names it).
 SCHEDULE_KEYS = ("train.iters", "train.lr_decay_iters", "train.warmup_iters")  # warmup: clamped to a short run
 
@@ -41,10 +47,12 @@ def _saved_config(saved: dict) -> RunConfig:
     return config
 
 
-def model_differences(saved: dict, config: RunConfig) -> list[str]:
+def model_differences(saved: dict, config: RunConfig, finetune: bool = False) -> list[str]:
     """``model.*`` settings that differ between a saved config and ``config`` (the ones that
-    change the model's numbers: not the backend, not the layout-derived padding)."""
-    return [d for d in config_diff(_saved_config(saved), config, ignore=LAYOUT_DERIVED)
+    change the model's numbers: not the backend, not the layout-derived padding; for a
+    fine-tuning start, not ``FINETUNE_CHANGES``)."""
+    ignore = LAYOUT_DERIVED + (FINETUNE_CHANGES if finetune else ())
+    return [d for d in config_diff(_saved_config(saved), config, ignore=ignore)
             if d.startswith("model.") and not d.startswith("model.backend")]
 
 
@@ -55,16 +63,18 @@ def run_differences(saved: dict, config: RunConfig) -> list[str]:
     return model_differences(saved, config) + data
 
 
-def check_compatible(saved: dict, config: RunConfig, directory: str, iteration: int = 0) -> None:
+def check_compatible(saved: dict, config: RunConfig, directory: str, iteration: int = 0,
+                     finetune: bool = False) -> None:
     """Refuse a saved config of another model, naming every difference. A changed parallel
     layout is expected (every state reshards) and said in ``layout_change_note``'s one line; a
-    changed schedule length is one warning; any other changed setting one warning each (rank 0)."""
-    fatal = model_differences(saved, config)
+    changed schedule length is one warning; any other changed setting one warning each (rank 0).
+    ``finetune`` (a ``ckpt.finetune_from`` start) allows ``FINETUNE_CHANGES`` and warns of nothing."""
+    fatal = model_differences(saved, config, finetune)
     if fatal:
         raise CheckpointError(
             f"checkpoint {directory} was saved from a different model:\n  " + "\n  ".join(fatal)
             + "\nuse the same model settings, or start a new run without ckpt.load")
-    if not is_first_rank():
+    if finetune or not is_first_rank():  # a fine-tuning run is a new run: its other settings are its own
         return
     schedule = []
     for line in config_diff(_saved_config(saved), config, ignore=LAYOUT_DERIVED):
@@ -205,7 +215,7 @@ def check_checkpoint_dirs(config: RunConfig) -> Start:
             f"(without --fresh the run resumes from it)")
     start = starting_checkpoint(config)
     if start.directory is not None and start.key != "ckpt.save":
-        differences = model_differences(start_metadata(start)["config"], config)
+        differences = model_differences(start_metadata(start)["config"], config, start.key == "ckpt.finetune_from")
         if differences:
             raise CheckpointError(
                 f"{start.key} = {start.directory} holds checkpoints of a different model:\n  "

@@ -175,7 +175,9 @@ def _loss_not_finite(loss: torch.Tensor | None, topology: Topology, device: torc
 
 
 @torch.no_grad()
-def eval_step(config: RunConfig, topology: Topology, chunks: list, batches_per_chunk, device) -> float:
+def eval_step(config: RunConfig, topology: Topology, chunks: list, batches_per_chunk, device) -> dict[str, float]:
+    """One evaluation batch: its mean ``loss`` and the family's other metrics (a classifier's
+    accuracy); ``{"loss": nan}`` on a stage without the loss."""
     for chunk in chunks:
         chunk.eval()
     try:
@@ -185,4 +187,4 @@ def eval_step(config: RunConfig, topology: Topology, chunks: list, batches_per_c
         for chunk in chunks:
             chunk.train()
     metrics = _mean_metrics(loss_dicts, topology, device)
-    return metrics["loss"].item() if metrics is not None else float("nan")
+    return {name: value.item() for name, value in metrics.items()} if metrics is not None else {"loss": float("nan")}

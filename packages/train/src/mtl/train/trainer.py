@@ -127,13 +127,14 @@ class Trainer:
         if start.directory is None:
             return 0, 0
         metadata = start_metadata(start)
-        check_compatible(metadata["config"], cfg, start.directory, start.iteration)
+        finetune = start.key == "ckpt.finetune_from"
+        check_compatible(metadata["config"], cfg, start.directory, start.iteration, finetune=finetune)
         note = layout_change_note(metadata, cfg, run.topology, run.device.type, start.full_resume)
         if note and self.rank0:
             log.info("%s", note)
         metadata = read_start(start, load_checkpoint, cfg, run.topology, run.chunks, run.optimizer,
                                          start.directory, load_optimizer=start.full_resume,
-                                         iteration=start.iteration)
+                                         iteration=start.iteration, fresh_heads=finetune)
         roll_back_latest(cfg, start)
         iteration, consumed = 0, 0
         if start.full_resume and not metadata.get("model_only"):
@@ -316,14 +317,17 @@ class Trainer:
 def evaluate(run: Run, iteration: int, callbacks: list, show=None) -> float:
     cfg = run.config
     valid = MicroBatches(run.datasets["valid"], cfg, run.topology, run.device, consumed_samples=0)
-    losses = []
+    batches = []
     for _ in range(cfg.train.eval_iters):
         micro = valid.take(cfg.train.num_micro_batches)
-        losses.append(eval_step(cfg, run.topology, run.chunks, _chunk_iterators(micro, len(run.chunks)), run.device))
-    loss = sum(losses) / len(losses)
-    metrics = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+        batches.append(eval_step(cfg, run.topology, run.chunks, _chunk_iterators(micro, len(run.chunks)), run.device))
+    means = {name: sum(b.get(name, math.nan) for b in batches) / len(batches) for name in batches[0]}
+    loss = means.pop("loss")
+    # the family's other metrics too (val_accuracy of a classifier, val_mlm_accuracy of bert)
+    metrics = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), **{f"val_{k}": v for k, v in means.items()}}
     for cb in callbacks:
         cb.on_eval(iteration, metrics)
     if show is not None:
-        show(f"eval at step {iteration}: loss {loss:.4f} | ppl {metrics['val_ppl']:.2f}")
+        extra = "".join(f" | {name} {value:.4f}" for name, value in means.items())
+        show(f"eval at step {iteration}: loss {loss:.4f} | ppl {metrics['val_ppl']:.2f}{extra}")
     return loss

@@ -1,5 +1,6 @@
 """The ``bert`` family's FLOP count: gpt's layer formula (the same GEMMs) with attention scores
-over every key rather than the causal half, and the MLM head's transform before the decoder."""
+over every key rather than the causal half, and the MLM head's transform before the decoder
+(or the classifier)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,11 @@ def layer_flops_per_iteration(cfg: RunConfig) -> list[float]:
 
 
 def flops_per_iteration(cfg: RunConfig) -> float:
-    """Layers, the MLM transform (dense h x h) and the decoder over the vocabulary, forward and backward."""
+    """Layers, the MLM transform (dense h x h) and the decoder over the vocabulary, forward and
+    backward; with ``model.num_labels`` the pooler and classifier on each sample's first token instead."""
     m, t = cfg.model, cfg.train
+    if m.num_labels:
+        classifier = 2 * m.hidden_size * m.hidden_size + 2 * m.hidden_size * m.num_labels
+        return sum(layer_flops_per_iteration(cfg)) + 3.0 * t.global_batch_size * classifier
     head = 2 * m.hidden_size * m.hidden_size + 2 * m.hidden_size * m.padded_vocab_size
     return sum(layer_flops_per_iteration(cfg)) + 3.0 * t.global_batch_size * m.seq_length * head

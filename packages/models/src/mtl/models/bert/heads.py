@@ -5,6 +5,13 @@ word embedding's table (tied) with its own bias, split over TP by vocabulary row
 output layer. Binary head (NSP / sentence order): the pooler (dense + tanh on the first
 token) and a ``[2, h]`` linear. Both run on the whole sequence, replicated over TP: under
 sequence parallelism the hidden states are gathered first (``mtl.models.bert.model``).
+
+Sequence classification (``model.num_labels``, HF's BertForSequenceClassification): the same
+pooler, dropout, and a ``[num_labels, h]`` linear ``classifier``. It too is replicated: a few
+thousand weights on one token per sample, less than the collectives a split would cost; its
+input, the all-reduced (and gathered) hidden states, is the same on every TP rank, so are its
+gradients, and its dropout draws from the default generator, which TP ranks share
+(``mtl.parallel.random.seed_everything``): the same mask everywhere.
 """
 
 from __future__ import annotations

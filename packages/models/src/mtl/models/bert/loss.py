@@ -9,6 +9,10 @@ Under context parallelism each rank holds part of every sample, and its share of
 tokens differs; the trainer averages the ranks' losses, so each rank divides its sum by the
 micro-batch's count over the whole cp group (times cp), and the binary loss, read from the
 first token, counts on the rank holding it (cp rank 0) only.
+
+A sequence-classification batch (``data.dataset = 'classification'``, ``model.num_labels``)
+carries ``text``, ``types``, ``padding_mask`` and one ``label`` per sample; its loss is the mean
+cross-entropy over the micro-batch's samples, reported with the share classified right.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ FIELDS = ("text", "types", "labels", "is_random", "padding_mask", "loss_mask")
 def encoder_forward_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The model's forward keywords from one micro-batch (a ConfigError, before the first
     forward, for samples of another dataset)."""
+    if "label" in batch:  # the classification dataset's samples
+        return {"input_ids": batch["text"], "position_ids": batch["position_ids"], "token_type_ids": batch["types"],
+                "padding_mask": batch["padding_mask"], "sequence_labels": batch["label"]}
     missing = [name for name in FIELDS if name not in batch]
     if missing:
         raise ConfigError(
@@ -43,7 +50,11 @@ def encoder_forward_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 def encoder_loss(output: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], topology
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(the micro-batch's loss, its metrics: loss, mlm_loss, mlm_accuracy and binary_loss)."""
+    """(the micro-batch's loss, its metrics: loss, mlm_loss, mlm_accuracy and binary_loss; or
+    for sequence classification loss and accuracy)."""
+    if "sequence_loss" in output:
+        loss = output["sequence_loss"].mean()
+        return loss, {"loss": loss.detach(), "accuracy": output["sequence_hits"].mean()}
     mask = batch["loss_mask"].float()
     cp = topology.cp if topology is not None else 1
     with torch.no_grad():

@@ -1,6 +1,7 @@
 """``EncoderModel``: the ``bert`` family's model. Embedding (word + position + token type, with
 the embedding norm when post-norm) -> encoder layers (bidirectional, padding-masked) -> final
-norm (pre-norm only) -> MLM head with the tied decoder, and optionally pooler + binary head.
+norm (pre-norm only) -> MLM head with the tied decoder, and optionally pooler + binary head;
+or, with ``model.num_labels``, pooler + dropout + ``classifier`` (sequence classification).
 
 A pipeline stage builds its part (``pre_process``: the embedding; ``post_process``: the norm
 and heads; ``layer_range``: its layers), as ``GPTModel`` does, with the same parameter-layout
@@ -62,19 +63,34 @@ class EncoderModel(nn.Module):
                 self.final_norm = build_module(
                     norm_spec(config, backend, hidden), **sequence_parallel_norm_kwargs(self.sequence_parallel, topology)
                 )
-            self.lm_head = MaskedLMTransform(hidden_size=hidden, norm=norm_spec(config, backend, hidden))
-            self.output_layer = backend.column_linear(
-                hidden, m.padded_vocab_size, bias=True, init_std=m.init_std, topology=topology,
-                gather_output=False, sequence_parallel=False,  # the head reads the gathered sequence
-            )
-            tag_weights(self.output_layer, "normal")
-            mark_vocab_rows(self.output_layer.weight, m.vocab_size)
-            mark_vocab_rows(self.output_layer.bias, m.vocab_size)
-            if m.binary_head:
+            if m.num_labels:  # named as HF names them, so a converted pooler loads into ours
                 self.pooler = Pooler(hidden)
-                self.binary_head = replicated_linear(hidden, 2)
-        self._tie_decoder()
+                self.classifier = replicated_linear(hidden, m.num_labels)
+            else:
+                self._build_pretraining_heads(backend)
+        if not m.num_labels:
+            self._tie_decoder()
         initialize_parameters(self, config.train.seed, topology)
+
+    def _build_pretraining_heads(self, backend: Backend) -> None:
+        m = self.config.model
+        self.lm_head = MaskedLMTransform(hidden_size=m.hidden_size, norm=norm_spec(self.config, backend, m.hidden_size))
+        self.output_layer = backend.column_linear(
+            m.hidden_size, m.padded_vocab_size, bias=True, init_std=m.init_std, topology=self.topology,
+            gather_output=False, sequence_parallel=False,  # the head reads the gathered sequence
+        )
+        tag_weights(self.output_layer, "normal")
+        mark_vocab_rows(self.output_layer.weight, m.vocab_size)
+        mark_vocab_rows(self.output_layer.bias, m.vocab_size)
+        if m.binary_head:
+            self.pooler = Pooler(m.hidden_size)
+            self.binary_head = replicated_linear(m.hidden_size, 2)
+
+    @property
+    def finetune_heads(self) -> tuple[str, ...]:
+        """Global-name prefixes of the weights a fine-tuning start may initialise afresh where its
+        checkpoint lacks them (a masked-LM checkpoint has no classifier) or holds another shape."""
+        return ("pooler.", "classifier.") if self.config.model.num_labels and self.post_process else ()
 
     def _tie_decoder(self) -> None:
         """The decoder reads the word table (as gpt's tied head; see GPTModel._tie_embeddings)."""
@@ -95,15 +111,19 @@ class EncoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, inference_context=None, *,
                 token_type_ids: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None,
-                binary_labels: torch.Tensor | None = None):
+                binary_labels: torch.Tensor | None = None, sequence_labels: torch.Tensor | None = None):
         """input_ids, token_type_ids, padding_mask (1: a real token) [b, s] -> hidden [s(/tp), b, h]
         on a stage without ``post_process``; on the last: logits [b, s, V/tp] without labels, else
-        {"mlm_loss", "mlm_hits": [b, s] fp32, and with binary_labels [b] "binary_loss": [b]}."""
+        {"mlm_loss", "mlm_hits": [b, s] fp32, and with binary_labels [b] "binary_loss": [b]}.
+        With ``model.num_labels``: logits [b, num_labels] fp32, or with sequence_labels [b]
+        {"sequence_loss", "sequence_hits": [b] fp32}."""
         if inference_context is not None:
             raise ConfigError("model.family = 'bert' is an encoder: it has no KV-cache generation")
         hidden = self.encode(input_ids, position_ids, token_type_ids, padding_mask)
         if not self.post_process:
             return hidden
+        if self.config.model.num_labels:
+            return self._classify(hidden, sequence_labels)
         return self._heads(hidden, labels, binary_labels)
 
     def encode(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None = None,
@@ -138,11 +158,26 @@ class EncoderModel(nn.Module):
             return None
         return real
 
-    def _heads(self, hidden: torch.Tensor, labels, binary_labels):
+    def _head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last layer's output as every head reads it: normed (pre-norm), whole ([s, b, h])."""
         if self.config.model.norm_position == "pre":
             hidden = self.final_norm(hidden)
         if self.sequence_parallel:  # [s/tp, b, h] -> [s, b, h]; each rank then computes the whole head
             hidden = gather_from_sequence_parallel(hidden, self.topology.tp_group, grad_is_partial=False)
+        return hidden
+
+    def _classify(self, hidden: torch.Tensor, sequence_labels: torch.Tensor | None):
+        """Pooler on [CLS], dropout (HF's hidden_dropout_prob), classifier: logits [b, num_labels]."""
+        pooled = self.pooler(self._head_input(hidden))  # [b, h]
+        pooled = F.dropout(pooled, p=self.config.model.hidden_dropout, training=self.training)
+        logits = self.classifier(pooled).float()  # [b, num_labels]
+        if sequence_labels is None:
+            return logits
+        return {"sequence_loss": F.cross_entropy(logits, sequence_labels, reduction="none"),
+                "sequence_hits": (logits.detach().argmax(-1) == sequence_labels).float()}
+
+    def _heads(self, hidden: torch.Tensor, labels, binary_labels):
+        hidden = self._head_input(hidden)
         logits = self.output_layer(self.lm_head(hidden))  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [b, s, V/tp]

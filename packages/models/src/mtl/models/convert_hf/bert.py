@@ -6,6 +6,8 @@ here). The decoder is tied to the word embeddings, so only its bias is stored. R
 positions from ``padding_idx + 1 = 2``: its position table keeps its two leading rows and
 ``model.position_offset = 2`` skips them, so a round trip is exact. The binary head
 (``BertForPreTraining``: pooler + ``cls.seq_relationship``) maps to ``pooler`` / ``binary_head``.
+``BertForSequenceClassification`` (pooler + ``classifier``, no MLM head) sets ``model.num_labels``
+from its ``id2label`` and maps its head to ``pooler`` / ``classifier``, both ways.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ def _section(hf: dict[str, Any], source: str, *, roberta: bool) -> dict[str, Any
     if hf.get("position_embedding_type", "absolute") != "absolute":
         raise ConfigError(f"{source}: position_embedding_type = {hf['position_embedding_type']!r}; only 'absolute' converts")
     offset = ROBERTA_POSITION_OFFSET if roberta else 0
+    architectures = hf.get("architectures") or []
+    num_labels = _num_labels(hf, source) if "BertForSequenceClassification" in architectures else 0
+    if roberta and any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise ConfigError(f"{source}: RobertaForSequenceClassification's head (dense + out_proj on <s>) does not "
+                          "convert; convert the RobertaForMaskedLM and fine-tune with model.num_labels")
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     positions = hf["max_position_embeddings"] - offset
     return {
@@ -38,8 +45,18 @@ def _section(hf: dict[str, Any], source: str, *, roberta: bool) -> dict[str, Any
         "type_vocab_size": hf.get("type_vocab_size", 2), "normalization": "layernorm",
         "norm_eps": hf.get("layer_norm_eps", 1e-12), "activation": "gelu", "position_embedding": "learned",
         "bias": True, "tie_embeddings": True,
-        "binary_head": "BertForPreTraining" in hf.get("architectures", []),
+        "binary_head": "BertForPreTraining" in architectures, "num_labels": num_labels,
     }
+
+
+def _num_labels(hf: dict[str, Any], source: str) -> int:
+    """HF stores the count as ``id2label``; ``problem_type`` says how the logits are read."""
+    count = len(hf.get("id2label") or {}) or int(hf.get("num_labels", 2))
+    problem = hf.get("problem_type")
+    if count < 2 or problem not in (None, "single_label_classification"):
+        raise ConfigError(f"{source}: a BertForSequenceClassification with {count} label(s) and problem_type = "
+                          f"{problem!r} does not convert; mtl fine-tunes single-label classification over 2+ classes")
+    return count
 
 
 def bert_model_section(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -74,6 +91,9 @@ def _embedding_and_head_pairs(section, roberta: bool) -> list[tuple[str, str]]:
              ("embedding.position_embeddings.weight", emb + "position_embeddings.weight"),
              ("embedding.token_type_embeddings.weight", emb + "token_type_embeddings.weight"),
              ("embedding.norm.weight", emb + "LayerNorm.weight"), ("embedding.norm.bias", emb + "LayerNorm.bias")]
+    if section.get("num_labels"):  # sequence classification: no MLM head
+        return pairs + [(f"{ours}.{leaf}", f"{hf}.{leaf}") for ours, hf in
+                        (("pooler.dense", "bert.pooler.dense"), ("classifier", "classifier")) for leaf in ("weight", "bias")]
     for leaf in ("weight", "bias"):
         pairs += [(f"lm_head.dense.{leaf}", f"{n['transform']}.{leaf}"), (f"lm_head.norm.{leaf}", f"{n['transform_norm']}.{leaf}")]
     pairs.append(("output_layer.bias", n["decoder_bias"]))
@@ -110,7 +130,7 @@ IGNORED = re.compile(r"^(cls\.predictions\.decoder\.(weight|bias)|lm_head\.decod
 
 
 def bert_ignored(section):
-    if section["binary_head"]:
+    if section["binary_head"] or section["num_labels"]:
         return IGNORED.match
     return lambda name: IGNORED.match(name) or name.startswith("bert.pooler.")
 
@@ -127,7 +147,7 @@ def check_bert_exportable(m) -> None:
 
 def _from_mtl(m, read: Read, roberta: bool) -> Iterator[tuple[str, torch.Tensor]]:
     base = _names(roberta)["base"]
-    section = {"binary_head": m.binary_head}
+    section = {"binary_head": m.binary_head, "num_labels": m.num_labels}
     split = (m.num_attention_heads, m.num_query_groups, m.head_dim)
     for ours, hf in _embedding_and_head_pairs(section, roberta):
         yield hf, read(ours)
@@ -165,14 +185,20 @@ def bert_config(m, dtype: torch.dtype) -> dict[str, Any]:
     if m.position_offset or not m.type_vocab_size:
         raise ConfigError(f"BERT export needs model.position_offset = 0 and model.type_vocab_size > 0 "
                           f"(have {m.position_offset}, {m.type_vocab_size}); a RoBERTa-shaped model exports as 'roberta'")
+    if m.num_labels:
+        labels = {"id2label": {str(i): f"LABEL_{i}" for i in range(m.num_labels)},
+                  "label2id": {f"LABEL_{i}": i for i in range(m.num_labels)}}
+        return _config(m, dtype, architectures=["BertForSequenceClassification"], model_type="bert", pad_token_id=0,
+                       problem_type="single_label_classification", **labels)
     name = "BertForPreTraining" if m.binary_head else "BertForMaskedLM"
     return _config(m, dtype, architectures=[name], model_type="bert", pad_token_id=0)
 
 
 def roberta_config(m, dtype: torch.dtype) -> dict[str, Any]:
-    if m.position_offset != ROBERTA_POSITION_OFFSET or m.binary_head or not m.type_vocab_size:
-        raise ConfigError(f"RoBERTa export needs model.position_offset = 2, model.binary_head = false and "
-                          f"model.type_vocab_size > 0 (have {m.position_offset}, {m.binary_head}, {m.type_vocab_size})")
+    if m.position_offset != ROBERTA_POSITION_OFFSET or m.binary_head or m.num_labels or not m.type_vocab_size:
+        raise ConfigError(f"RoBERTa export needs model.position_offset = 2, model.binary_head = false, "
+                          f"model.num_labels = 0 and model.type_vocab_size > 0 (have {m.position_offset}, "
+                          f"{m.binary_head}, {m.num_labels}, {m.type_vocab_size})")
     return _config(m, dtype, architectures=["RobertaForMaskedLM"], model_type="roberta", pad_token_id=1,
                    bos_token_id=0, eos_token_id=2)
 
