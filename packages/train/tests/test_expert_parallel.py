@@ -12,7 +12,8 @@
 - The writer rule picks exactly one writer for every box of every expert tensor.
 
 Processes are shared: one single-process spawn runs the reference, the straight run and the
-run without auxiliary losses; one 2-process spawn runs ep=2 and the ep=1 -> ep=2 resume.
+run without auxiliary losses; one 2-process spawn runs ep=2 and the ep=1 -> ep=2 resume; one
+4-process spawn runs both 4-process layouts.
 """
 
 import pytest
@@ -23,7 +24,7 @@ from mtl.models.param_layout import ParamEntry
 from mtl.parallel.testing import run_distributed
 from mtl.parallel.topology import Topology
 from mtl.train.checkpointing import _replica_id
-from mtl.train.testing import LOSS_RTOL, MOE_LAYOUTS, MOE_TINY, assemble, compare_with_reference, run_tiny
+from mtl.train.testing import LOSS_RTOL, MOE_LAYOUTS, MOE_TINY, assemble, compare_with_reference, run_layouts, run_tiny
 from mtl.parallel.param_layout import set_param_layout
 
 MOE = MOE_TINY
@@ -99,9 +100,14 @@ def test_auxiliary_losses_reach_the_router_gradient(single):
     assert ((no_aux - ref).norm() / ref.norm()).item() > 100 * GRAD_RTOL
 
 
+@pytest.fixture(scope="module")
+def four_process_layouts():
+    return run_layouts(list(FOUR_PROCESS_LAYOUTS), model=MOE)  # one 4-process spawn for both
+
+
 @pytest.mark.parametrize("layout", list(FOUR_PROCESS_LAYOUTS))
-def test_ep2_with_tp_or_pp_matches_single_process(layout, single):
-    assert_matches(layout, run_distributed(run_moe, 4, args=(FOUR_PROCESS_LAYOUTS[layout],)), single["reference"])
+def test_ep2_with_tp_or_pp_matches_single_process(layout, single, four_process_layouts):
+    assert_matches(layout, four_process_layouts[layout], single["reference"])
 
 
 def test_ep1_checkpoint_resumes_at_ep2_with_the_distributed_optimizer(ep2, single):

@@ -6,7 +6,7 @@ import pytest
 
 from mtl.parallel.testing import run_distributed
 from mtl.core.config_io import load_config
-from mtl.train.testing import LAYOUTS, TINY, compare_with_reference, run_layout, run_tiny
+from mtl.train.testing import LAYOUTS, TINY, compare_with_reference, run_layouts, run_tiny
 
 
 @pytest.fixture(scope="module")
@@ -15,10 +15,16 @@ def reference():
     return result
 
 
+@pytest.fixture(scope="module")
+def layouts():
+    """Every layout's results, those of one world size from one spawn (2 spawns, not 14)."""
+    return run_layouts(list(LAYOUTS))
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_single_process(layout, reference):
+def test_layout_matches_single_process(layout, reference, layouts):
     assert reference["losses"] and reference["grads"]
-    compare_with_reference(layout, run_layout(layout), reference)
+    compare_with_reference(layout, layouts[layout], reference)
 
 
 def test_the_flops_layout_is_uneven():

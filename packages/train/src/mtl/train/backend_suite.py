@@ -36,7 +36,7 @@ import torch
 
 from mtl.core.config_io import load_config
 from mtl.parallel.testing import run_distributed
-from mtl.train.testing import LAYOUTS, TINY, assemble, run_tiny
+from mtl.train.testing import TINY, assemble, run_layouts, run_tiny
 
 __all__ = ["test_layouts_equal_one_process", "test_checkpoint_round_trip", "test_generation_with_kv_cache"]
 
@@ -64,9 +64,10 @@ def test_layouts_equal_one_process(backend_case: BackendCase) -> None:
     (reference,) = _run(backend_case, [], 1)
     ref_losses = reference["losses"]
     ref_grads = assemble([reference])
-    for layout in backend_case.layouts:
-        world, overrides = LAYOUTS[layout]
-        results = _run(backend_case, overrides, world)
+    device = [f"train.device='{backend_case.device}'"]
+    by_layout = run_layouts(list(backend_case.layouts), extra=device, model=backend_case.overrides,
+                            backend="nccl" if backend_case.device == "cuda" else "gloo")
+    for layout, results in by_layout.items():
         losses = next(r["losses"] for r in results if r["last_stage"])
         assert list(losses) == list(ref_losses), f"{backend_case.name} {layout}: steps differ"
         for step, ref in ref_losses.items():

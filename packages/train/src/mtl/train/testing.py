@@ -167,6 +167,36 @@ def complete_sharded_grads(ddp_chunks: list) -> None:
                         slot.param.grad = grad
 
 
+def run_layouts(layouts: list[str], extra: list[str] = (), backend: str = "gloo",
+                model: list[str] = ()) -> dict[str, list[dict]]:
+    """Run several of ``LAYOUTS`` (or the other tables), those of one world size in one spawn,
+    one after another in the same processes (starting processes and importing torch costs
+    more than a tiny run). ``model``: overrides every layout shares. Returns layout -> one
+    result per rank; a run that raises fails its whole spawn, naming its overrides."""
+    from mtl.parallel.testing import run_distributed
+
+    table = {**LAYOUTS, **SHARDED_LAYOUTS, **GPU_LAYOUTS, **MOE_LAYOUTS, **EIGHT_LAYOUTS, **EIGHT_MOE_LAYOUTS}
+    by_world: dict[int, list[str]] = {}
+    for name in layouts:
+        by_world.setdefault(table[name][0], []).append(name)
+    results = {}
+    for world, names in by_world.items():
+        runs = [[*model, *table[name][1], *extra] for name in names]
+        per_rank = run_distributed(_run_each, world, args=(runs,), backend=backend)
+        results.update({name: [rank[i] for rank in per_rank] for i, name in enumerate(names)})
+    return results
+
+
+def _run_each(runs: list[list[str]]) -> list[dict]:
+    out = []
+    for overrides in runs:
+        try:
+            out.append(run_tiny(overrides))
+        except Exception as exc:  # name the run: the spawn reports this rank's traceback
+            raise RuntimeError(f"run_tiny({overrides}) failed") from exc
+    return out
+
+
 def run_layout(layout: str, extra: list[str] = (), backend: str = "gloo") -> list[dict]:
     """Run one of ``LAYOUTS`` (or ``GPU_LAYOUTS``) on its world size."""
     from mtl.parallel.testing import run_distributed
