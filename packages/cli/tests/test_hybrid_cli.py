@@ -20,8 +20,10 @@ def pattern(value: str) -> list[str]:
     ("M*|M-", [], ["1 pipeline cuts", "pp*vpp = 1*1 needs 0"]),
     ("M*M-", ["--set", "parallel.tp=4"], ["parallel.tp*cp = 4*1 must divide model.mamba_num_heads = 4",
                                           "model.mamba_num_groups = 2"]),
-    ("M*M-", ["--set", "model.activation='relu2'", "--set", "model.num_experts=4"],
-     ["model.activation = 'relu2' is built by the local backend's dense MLP only", "model.num_experts = 4"]),
+    ("M*E-", ["--set", "model.num_experts=4", "--set", "model.moe_router_num_groups=3"],
+     ["model.moe_router_num_groups = 3 must be at least 1 and divide model.num_experts = 4"]),
+    ("M*M-", ["--set", "model.moe_router_expert_bias=true"], ["model.moe_router_expert_bias = True needs "
+                                                                "model.num_experts > 0"]),
 ])
 def test_a_bad_pattern_is_one_line(mtl, clean_error, tiny_toml, value, extra, needles):
     clean_error(mtl("train", tiny_toml, *HYBRID, *pattern(value), *extra, "--dry-run"), *needles)

@@ -1,4 +1,6 @@
-"""HF ``Mamba2ForCausalLM`` and ``NemotronHForCausalLM`` (random small ones made here) converted to
+"""HF ``Mamba2ForCausalLM`` and ``NemotronHForCausalLM`` (random small ones made here, one with MoE
+layers: biased sigmoid routing over two expert groups, scaled weights, squared-ReLU experts and a
+shared expert) converted to
 the hybrid family: logits within 1e-4 relative, greedy generation equal to transformers'
 ``generate``, the round trip bit for bit; and generation decodes by the one-step recurrence (no
 scan per new token)."""
@@ -30,6 +32,13 @@ ARCHS = {  # name -> (config class, model class, fields)
         **COMMON, "num_hidden_layers": 4, "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 8,
         "layers_block_type": ["linear_attention", "full_attention", "linear_attention", "mlp"],
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 48}),
+    # every Nemotron-H layer kind; 8 experts in 2 groups, each token keeps the better group, 2 experts
+    "nemotron_h_moe": ("NemotronHConfig", "NemotronHForCausalLM", {
+        **COMMON, "num_hidden_layers": 5, "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 8,
+        "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp", "moe"],
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 48,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
+        "moe_intermediate_size": 16, "moe_shared_expert_intermediate_size": 24}),
 }
 
 
@@ -44,6 +53,9 @@ def converted(request, tmp_path_factory):
         for name, param in hf_model.named_parameters():
             if "norm" in name or name.endswith((".D", "conv1d.bias")):
                 param.add_(0.1 * torch.randn_like(param))
+        for name, buffer in hf_model.named_buffers():  # zeros at init: a bias large enough to change choices
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.3 * torch.randn_like(buffer))
     hf_model.save_pretrained(path)
     section, state = hybrid_hf_converter().to_mtl(path)
     config = config_from_dict({"model": section}).resolve(1)

@@ -58,6 +58,10 @@ class MoELayer(nn.Module):
         z_loss_coeff: float,
         capacity_factor: float | None,
         shared_expert_gate: bool,
+        router_expert_bias: bool,
+        router_scaling_factor: float,
+        router_num_groups: int,
+        router_group_top_k: int,
         init_std: float,
         output_init_std: float,
         sequence_parallel: bool,
@@ -75,6 +79,8 @@ class MoELayer(nn.Module):
             norm_topk_prob=norm_topk_prob, aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
             capacity_factor=capacity_factor, init_std=init_std,
             cp_group=topology.group("cp") if topology is not None else None,  # see router.py
+            expert_bias=router_expert_bias, scaling_factor=router_scaling_factor,
+            num_groups=router_num_groups, group_top_k=router_group_top_k,
         )
         self.experts = GroupedExperts(
             num_experts=num_experts, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,
