@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from mtl.core.config_io import config_from_dict
+from mtl.core.errors import ConfigError
 from mtl.core.model_protocol import build_model
 from mtl.core.plugins import registry
 from mtl.models.generate import generate
@@ -110,3 +111,28 @@ def test_generation_scans_the_prompt_once_and_decodes_by_recurrence(converted, m
     assert scans == [len(prompt)] * model.config.model.hybrid_pattern.count("M")
     scans.clear()
     assert generate(model, prompt, max_new_tokens=12, temperature=0, use_cache=False) == tokens[:12]
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"moe_latent_size": 8}, "moe_latent_size = 8; mtl does not build the latent projections"),
+    ({"num_experts_per_tok": 4}, "n_group = 2: HF ranks expert groups by their best 2 scores"),
+])
+def test_nemotron_h_moe_configs_mtl_does_not_build_are_refused(changes, message, tmp_path):
+    config_class, _, fields = ARCHS["nemotron_h_moe"]
+    getattr(transformers, config_class)(**{**fields, **changes}).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=message):
+        hybrid_hf_converter().to_mtl(tmp_path)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"moe_router": "softmax"}, "model.moe_router = 'softmax': Nemotron-H's MoE layer needs 'sigmoid'"),
+    ({"activation": "swiglu"}, "model.activation = 'swiglu': Nemotron-H's MLP and experts are relu2"),
+    ({"moe_shared_expert_ffn_hidden_size": 0}, "model.moe_shared_expert_ffn_hidden_size = 0"),
+])
+def test_nemotron_h_moe_export_refuses_what_hf_does_not_compute(changes, message, tmp_path):
+    model = {"family": "hybrid", "hybrid_pattern": "M*E-", "num_layers": 4, "hidden_size": 32, "vocab_size": VOCAB,
+             "mamba_head_dim": 16, "mamba_num_groups": 2, "num_experts": 4, "activation": "relu2",
+             "position_embedding": "none", "moe_router": "sigmoid", "moe_shared_expert_ffn_hidden_size": 16}
+    config = config_from_dict({"model": {**model, **changes}}).resolve(1)
+    with pytest.raises(ConfigError, match=message):
+        hybrid_hf_converter().from_mtl(config.model, {}, tmp_path)
