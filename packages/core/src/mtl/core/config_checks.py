@@ -164,11 +164,18 @@ def _check_model(m: ModelConfig, p: ParallelConfig, tokenizer_vocab_size: int | 
 
 # MoE keys without effect in a dense model -> their value when off
 ROUTER_KEYS_OFF = {"moe_shared_expert_gate": False, "moe_capacity_factor": 0, "moe_router_expert_bias": False,
-                   "moe_router_scaling_factor": 1.0, "moe_router_num_groups": 1, "moe_router_group_topk": 1}
+                   "moe_router_scaling_factor": 1.0, "moe_router_num_groups": 1, "moe_router_group_topk": 1,
+                   "moe_router_bias_update_rate": 1e-3}
 
 
 def _check_router_groups(m: ModelConfig) -> None:
-    """Group-limited routing (Megatron's group_limited_topk) and the weights' scaling factor."""
+    """The expert bias's update rate, the weights' scaling factor and group-limited routing
+    (Megatron's group_limited_topk)."""
+    if m.moe_router_bias_update_rate < 0:
+        raise ConfigError(f"model.moe_router_bias_update_rate = {m.moe_router_bias_update_rate} must not be negative")
+    if not m.moe_router_expert_bias and m.moe_router_bias_update_rate != ROUTER_KEYS_OFF["moe_router_bias_update_rate"]:
+        raise ConfigError(f"model.moe_router_bias_update_rate = {m.moe_router_bias_update_rate} moves the expert bias: "
+                          "set model.moe_router_expert_bias = true, or remove the key")
     if not m.moe_router_scaling_factor > 0:
         raise ConfigError(f"model.moe_router_scaling_factor = {m.moe_router_scaling_factor} must be positive")
     groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk

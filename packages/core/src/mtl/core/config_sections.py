@@ -79,10 +79,13 @@ class ModelConfig:
     moe_router: str = "softmax"
     moe_norm_topk_prob: bool = True  # rescale the top-k routing weights to sum to one (Mixtral, DeepSeek-V3)
     # add a per-expert bias (router.expert_bias) to the scores when choosing the top k, never to the
-    # weights (DeepSeek-V3, Nemotron-H's e_score_correction_bias; Megatron's --moe-router-enable-expert-bias).
-    # Held fixed: a converted checkpoint brings its values, a run from scratch keeps zeros (Megatron's
-    # aux-loss-free update of the bias is not built)
+    # weights (DeepSeek-V3, Nemotron-H's e_score_correction_bias; Megatron's --moe-router-enable-expert-bias);
+    # it starts at zero (or a converted checkpoint's values) and moves by moe_router_bias_update_rate
     moe_router_expert_bias: bool = False
+    # aux-loss-free balancing: after each step every expert bias moves by this much toward balance,
+    # rate * sign(mean count - the expert's count), the counts over the step's tokens on all data- and
+    # context-parallel ranks (Megatron's --moe-router-bias-update-rate, its default); 0: the bias stays as loaded
+    moe_router_bias_update_rate: float = 1e-3
     # multiplies the top-k routing weights after any normalisation (Megatron's
     # --moe-router-topk-scaling-factor, HF's routed_scaling_factor)
     moe_router_scaling_factor: float = 1.0

@@ -142,6 +142,7 @@ def moe_spec(config: RunConfig, backend: Backend, linear) -> ModuleSpec:
             "router_scaling_factor": m.moe_router_scaling_factor,
             "router_num_groups": m.moe_router_num_groups,
             "router_group_top_k": m.moe_router_group_topk,
+            "router_bias_update_rate": m.moe_router_bias_update_rate,
             "init_std": m.init_std,
             "output_init_std": output_init_std(config),
             "sequence_parallel": config.parallel.sequence_parallel,

@@ -14,8 +14,8 @@ is added to the scores only to pick the k experts, and group-limited routing fir
 sum highest (Megatron's ``group_limited_topk``). The weights are the unbiased scores of the
 chosen experts, normalised as above, times ``scaling_factor`` (Megatron's
 ``--moe-router-topk-scaling-factor``, HF's ``routed_scaling_factor``). The bias is a parameter
-without gradient, kept in fp32 and in checkpoints; mtl does not update it (Megatron's
-aux-loss-free balancing step is not built), so it is what the checkpoint holds, zeros from scratch.
+without gradient, kept in fp32 and in checkpoints, moved after each step by the aux-loss-free
+rule (``expert_bias.py``) from the tokens each expert was chosen for in training forwards.
 
 Logits are computed in fp32 whatever the autocast: routing decisions flip on small
 differences, and the losses below need fp32 anyway.
@@ -125,14 +125,14 @@ def group_limited_choice(scores: torch.Tensor, top_k: int, num_groups: int, grou
 class TopKRouter(nn.Module):
     """``weight [E, h]`` (replicated over TP and EP): hidden ``[T, h]`` -> ``Routing``.
     ``cp_group``: the context-parallel group the load-balancing counts are summed over (None at
-    cp = 1: no collective). ``expert_bias``, ``num_groups``/``group_top_k`` and ``scaling_factor``:
-    see the module docstring."""
+    cp = 1: no collective). ``expert_bias``, ``num_groups``/``group_top_k``, ``scaling_factor`` and
+    ``bias_update_rate`` (0: the bias stays as loaded): see the module docstring."""
 
     def __init__(self, *, hidden_size: int, num_experts: int, top_k: int, score_function: str,
                  norm_topk_prob: bool, aux_loss_coeff: float, z_loss_coeff: float,
                  capacity_factor: float | None, init_std: float = 0.02, cp_group=None,
                  expert_bias: bool = False, scaling_factor: float = 1.0, num_groups: int = 1,
-                 group_top_k: int = 1):
+                 group_top_k: int = 1, bias_update_rate: float = 0.0):
         super().__init__()
         self.cp_group = cp_group
         self.num_experts, self.top_k = num_experts, top_k
@@ -144,8 +144,11 @@ class TopKRouter(nn.Module):
         tag_init(self.weight, "normal")
         nn.init.normal_(self.weight, std=init_std)
         self.expert_bias = None
+        self.bias_update_rate = bias_update_rate
         if expert_bias:  # no gradient: fp32 state the initialiser and the optimizer leave alone
             self.expert_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
+            # slots per expert since the last bias update (summed over the step's micro-batches)
+            self.register_buffer("tokens_since_update", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
         """``scores [T, E]`` -> ``expert_ids [T, k]``: biased and group-limited where configured."""
@@ -164,6 +167,8 @@ class TopKRouter(nn.Module):
             scores = torch.sigmoid(logits)
             scores_for_aux = scores / scores.sum(dim=-1, keepdim=True)
         expert_ids = self.choose(scores)  # [T, k]
+        if self.expert_bias is not None and self.bias_update_rate and self.training and torch.is_grad_enabled():
+            self.tokens_since_update += count_per_expert(expert_ids.detach(), self.num_experts)
         top_scores = scores.gather(1, expert_ids)  # [T, k], unbiased
         probs = top_scores / top_scores.sum(dim=-1, keepdim=True) if self.norm_topk_prob else top_scores
         if self.scaling_factor != 1.0:
