@@ -38,7 +38,8 @@ def saved_bytes(layer: torch.nn.Module, hidden: torch.Tensor, autocast: bool) ->
 def test_mamba_layer_estimate_is_within_five_percent_of_the_saved_tensors(make_hybrid_config, precision, chunk, seq):
     config = make_hybrid_config(model={"mamba_chunk_size": chunk, "seq_length": seq},
                                 train={"precision": precision, "micro_batch_size": 2})
-    model = build_model(registry("model family").get("hybrid"), config, Topology.single(), registry("backend").get("local"))
+    family, backend = registry("model family").get("hybrid"), registry("backend").get("local")
+    model = build_model(family, config, Topology.single(), backend)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     layer = next(m for m in model.modules() if getattr(m, "symbol", None) == "M")
     layer.to(dtype)  # the weights as train.params_dtype casts them
