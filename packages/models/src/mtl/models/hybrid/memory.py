@@ -87,9 +87,10 @@ def activation_bytes_per_layer(cfg: RunConfig) -> list[float]:
 
 
 def moe_bytes_per_unit(m) -> float:
-    """An MoE layer's 16-bit bytes per token and hidden unit: each of the top-k experts' MLP on
-    the tokens routed to it and their gathered inputs, the shared expert, and the router's fp32
-    logits and scores (4 bytes each per expert)."""
-    experts = m.moe_top_k * (2 + mlp_bytes_per_unit(m, m.moe_ffn_hidden_size))
+    """An MoE layer's bytes per token and hidden unit (16-bit values 2), as mtl's ``MoELayer``
+    keeps them: the router's fp32 copy of its input (4) and its fp32 scores and weights (4 bytes
+    each per expert); per chosen expert the token gathered to it (2), its MLP, and its output in
+    fp32 before and after the routing weight (8); the shared expert's MLP."""
+    experts = m.moe_top_k * (2 + mlp_bytes_per_unit(m, m.moe_ffn_hidden_size) + 8)
     shared = mlp_bytes_per_unit(m, m.moe_shared_expert_ffn_hidden_size) if m.moe_shared_expert_ffn_hidden_size else 0
-    return experts + shared + 2 * 4 * m.num_experts / m.hidden_size
+    return 4 + experts + shared + 2 * 4 * m.num_experts / m.hidden_size
