@@ -1,6 +1,6 @@
 """``mtl convert`` both ways, at any layout, and ``mtl generate`` on the result, against tiny
-random GPT-2, Llama, Mistral, Qwen2, Mamba2 and Nemotron-H models built locally with transformers
-(nothing downloaded)."""
+random GPT-2, Llama, Mistral, Qwen2, Mamba2 and Nemotron-H (with an MoE layer) models built locally
+with transformers (nothing downloaded)."""
 
 import json
 import shutil
@@ -30,10 +30,11 @@ ARCHS = {  # name -> (config class, model class, fields)
                                                          n_groups=2, state_size=8, chunk_size=8, bos_token_id=0,
                                                          eos_token_id=0, pad_token_id=0, initializer_range=0.2)),
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(
-        hidden_size=32, num_hidden_layers=3, layers_block_type=["linear_attention", "full_attention", "mlp"],
+        hidden_size=32, num_hidden_layers=4, layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
         mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=8, chunk_size=8, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, intermediate_size=48, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-        initializer_range=0.2)),
+        initializer_range=0.2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        moe_shared_expert_intermediate_size=24)),
 }
 
 

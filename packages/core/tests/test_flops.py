@@ -55,6 +55,14 @@ def test_activations_follow_the_pipeline_split():
         assert memory_per_gpu_bytes(cfg, 4_000_000, activation_bytes_per_layer=1000.0)["activations"] == 1000.0 * kept
 
 
+def test_activations_per_layer_sum_each_ranks_own_layers():
+    """One number per layer (a hybrid family's): 8 layers as 3 + 5, layer i keeping 100 * (i + 1)
+    bytes: rank 0 keeps (100 + 200 + 300) x 2 micro-batches, rank 1 (400 + ... + 800) x 1."""
+    cfg = config("parallel.pp=2", "parallel.virtual_stage_layers=[3, 5]")
+    per_layer = [100.0 * (i + 1) for i in range(8)]
+    assert memory_per_gpu_bytes(cfg, 4_000_000, activation_bytes_per_layer=per_layer)["activations"] == 3000.0
+
+
 def test_memory_without_an_activation_formula_leaves_activations_out():
     cfg = config("parallel.distributed_optimizer=true")  # dp = 4
     mem = memory_per_gpu_bytes(cfg, 1000, activation_bytes_per_layer=None)

@@ -145,6 +145,12 @@ def test_refusals(tmp_path):
     for key, value in (("activation", "relu2"), ("position_embedding", "none")):
         with pytest.raises(ConfigError, match=f"model.{key} = '{value}'"):
             MegatronConverter().from_mtl(dataclasses.replace(cfg.model, **{key: value}), state, tmp_path / "e")
+    # DeepSeek-V3 / Nemotron-H routing, not written to Megatron's args yet
+    routing = (("moe_router_expert_bias", True), ("moe_router_scaling_factor", 2.5), ("moe_router_num_groups", 2))
+    for key, value in routing:
+        with pytest.raises(ConfigError, match=f"model.{key} = {value}: the Megatron export does not write"):
+            MegatronConverter().from_mtl(dataclasses.replace(cfg.model, num_experts=4, **{key: value}), state,
+                                         tmp_path / "f")
     MegatronConverter().from_mtl(cfg.model, state, tmp_path / "d")
     assert (tmp_path / "d" / "latest_checkpointed_iteration.txt").read_text() == "release"
     with pytest.raises(CheckpointError, match="not empty"):

@@ -32,13 +32,16 @@ def tp_worker(configs):
 
 MOE = {"hybrid_pattern": "M*E-", "num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 16}
 NEMOTRON_H_STYLE = {"activation": "relu2", "position_embedding": "none", "mamba_dt_min": 0.01}
+# Nemotron-H's MoE layer: squared-ReLU experts, a shared expert, biased sigmoid routing in 2 groups, scaled
+NEMOTRON_H_MOE = {**NEMOTRON_H_STYLE, **MOE, "moe_shared_expert_ffn_hidden_size": 16, "moe_router": "sigmoid",
+                  "moe_router_expert_bias": True, "moe_router_scaling_factor": 2.0, "moe_router_num_groups": 2}
 
 
 def test_tp2_and_sequence_parallel_equal_one_process(make_hybrid_config):
     """M*M- without and with sequence parallelism, M*E- (an MoE layer) and Nemotron-H's style (squared-ReLU
-    MLP, attention without positions, a dt floor) with it, in one launch."""
+    MLP, attention without positions, a dt floor; its MoE layer) with it, in one launch."""
     runs = {"sp=False": ({}, False), "sp=True": ({}, True), "moe sp=True": (MOE, True),
-            "nemotron-h style sp=True": (NEMOTRON_H_STYLE, True)}
+            "nemotron-h style sp=True": (NEMOTRON_H_STYLE, True), "nemotron-h moe sp=True": (NEMOTRON_H_MOE, True)}
     configs = {run: make_hybrid_config(2, model=model, parallel={"tp": 2, "sequence_parallel": sp})
                for run, (model, sp) in runs.items()}
     references = {run: loss_and_grads(make_hybrid_config(model=model)) for run, (model, _) in runs.items()}
@@ -50,6 +53,8 @@ def test_tp2_and_sequence_parallel_equal_one_process(make_hybrid_config):
             assert init.keys() == ref_init.keys()
             for name in ref_init:
                 assert torch.equal(init[name], ref_init[name]), (run, name)
+            assert grads.keys() == ref_grads.keys()  # the router's expert bias has none
+            for name in ref_grads:
                 torch.testing.assert_close(grads[name], ref_grads[name], rtol=TOL, atol=TOL, msg=f"{run} {name}")
 
 

@@ -1,4 +1,6 @@
-"""HF ``Mamba2ForCausalLM`` and ``NemotronHForCausalLM`` (random small ones made here) converted to
+"""HF ``Mamba2ForCausalLM`` and ``NemotronHForCausalLM`` (random small ones made here, one with MoE
+layers: biased sigmoid routing over two expert groups, scaled weights, squared-ReLU experts and a
+shared expert) converted to
 the hybrid family: logits within 1e-4 relative, greedy generation equal to transformers'
 ``generate``, the round trip bit for bit; and generation decodes by the one-step recurrence (no
 scan per new token)."""
@@ -8,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from mtl.core.config_io import config_from_dict
+from mtl.core.errors import ConfigError
 from mtl.core.model_protocol import build_model
 from mtl.core.plugins import registry
 from mtl.models.generate import generate
@@ -30,6 +33,13 @@ ARCHS = {  # name -> (config class, model class, fields)
         **COMMON, "num_hidden_layers": 4, "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 8,
         "layers_block_type": ["linear_attention", "full_attention", "linear_attention", "mlp"],
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 48}),
+    # every Nemotron-H layer kind; 8 experts in 2 groups, each token keeps the better group, 2 experts
+    "nemotron_h_moe": ("NemotronHConfig", "NemotronHForCausalLM", {
+        **COMMON, "num_hidden_layers": 5, "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 8,
+        "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp", "moe"],
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 48,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
+        "moe_intermediate_size": 16, "moe_shared_expert_intermediate_size": 24}),
 }
 
 
@@ -44,6 +54,9 @@ def converted(request, tmp_path_factory):
         for name, param in hf_model.named_parameters():
             if "norm" in name or name.endswith((".D", "conv1d.bias")):
                 param.add_(0.1 * torch.randn_like(param))
+        for name, buffer in hf_model.named_buffers():  # zeros at init: a bias large enough to change choices
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.3 * torch.randn_like(buffer))
     hf_model.save_pretrained(path)
     section, state = hybrid_hf_converter().to_mtl(path)
     config = config_from_dict({"model": section}).resolve(1)
@@ -98,3 +111,28 @@ def test_generation_scans_the_prompt_once_and_decodes_by_recurrence(converted, m
     assert scans == [len(prompt)] * model.config.model.hybrid_pattern.count("M")
     scans.clear()
     assert generate(model, prompt, max_new_tokens=12, temperature=0, use_cache=False) == tokens[:12]
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"moe_latent_size": 8}, "moe_latent_size = 8; mtl does not build the latent projections"),
+    ({"num_experts_per_tok": 4}, "n_group = 2: HF ranks expert groups by their best 2 scores"),
+])
+def test_nemotron_h_moe_configs_mtl_does_not_build_are_refused(changes, message, tmp_path):
+    config_class, _, fields = ARCHS["nemotron_h_moe"]
+    getattr(transformers, config_class)(**{**fields, **changes}).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=message):
+        hybrid_hf_converter().to_mtl(tmp_path)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"moe_router": "softmax"}, "model.moe_router = 'softmax': Nemotron-H's MoE layer needs 'sigmoid'"),
+    ({"activation": "swiglu"}, "model.activation = 'swiglu': Nemotron-H's MLP and experts are relu2"),
+    ({"moe_shared_expert_ffn_hidden_size": 0}, "model.moe_shared_expert_ffn_hidden_size = 0"),
+])
+def test_nemotron_h_moe_export_refuses_what_hf_does_not_compute(changes, message, tmp_path):
+    model = {"family": "hybrid", "hybrid_pattern": "M*E-", "num_layers": 4, "hidden_size": 32, "vocab_size": VOCAB,
+             "mamba_head_dim": 16, "mamba_num_groups": 2, "num_experts": 4, "activation": "relu2",
+             "position_embedding": "none", "moe_router": "sigmoid", "moe_shared_expert_ffn_hidden_size": 16}
+    config = config_from_dict({"model": {**model, **changes}}).resolve(1)
+    with pytest.raises(ConfigError, match=message):
+        hybrid_hf_converter().from_mtl(config.model, {}, tmp_path)

@@ -46,6 +46,17 @@ def test_derived_moe_layers_and_expert_width():
         (["model.num_experts=4", "model.moe_aux_loss_coeff=-1.0"], 1, "model.moe_aux_loss_coeff = -1.0"),
         (["model.num_experts=4", "model.moe_capacity_factor=-0.5"], 1, "model.moe_capacity_factor = -0.5"),
         (["model.num_experts=4", "model.bias=true"], 1, "model.bias = true with model.num_experts > 0"),
+        (["model.moe_router_scaling_factor=2.0"], 1, "model.moe_router_scaling_factor = 2.0 needs model.num_experts"),
+        (["model.num_experts=4", "model.moe_router_scaling_factor=0.0"], 1,
+         "model.moe_router_scaling_factor = 0.0 must be positive"),
+        (["model.num_experts=8", "model.moe_router_num_groups=3"], 1,
+         "model.moe_router_num_groups = 3 must be at least 1 and divide model.num_experts = 8"),
+        (["model.num_experts=8", "model.moe_router_num_groups=2", "model.moe_router_group_topk=3"], 1,
+         "model.moe_router_group_topk = 3 must be between 1 and model.moe_router_num_groups = 2"),
+        (["model.num_experts=8", "model.moe_router_num_groups=4", "model.moe_top_k=6", "model.moe_router_group_topk=2"],
+         1, "model.moe_top_k // model.moe_router_group_topk = 6 // 2 = 3 experts rank each group"),
+        (["model.num_experts=8", "model.moe_router_num_groups=4", "model.moe_top_k=5", "model.moe_router_group_topk=2"],
+         1, "model.moe_top_k = 5 exceeds the 4 experts"),
     ],
 )
 def test_refused(overrides, world_size, message):

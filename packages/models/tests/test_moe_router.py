@@ -77,3 +77,32 @@ def test_capacity_drops_the_lowest_scored_slots_and_counts_them():
     # a factor of 1.5 gives capacity 3: nothing dropped
     router.capacity_factor = 1.5
     assert router(tokens).dropped.item() == 0
+
+
+def test_expert_bias_chooses_but_does_not_weight_and_the_weights_are_scaled():
+    """Sigmoid scores s; the bias moves expert 2 ahead of expert 0 for the choice, the weights stay
+    the unbiased scores, normalised over the two chosen, times the scaling factor."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    router, tokens = router_with_logits(logits, score_function="sigmoid", expert_bias=True, scaling_factor=2.5)
+    with torch.no_grad():
+        router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.9, 0.0]))  # s + b: 0.881, 0.731, 1.4, 0.269
+    routing = router(tokens)
+    s = torch.sigmoid(logits[0])
+    assert routing.expert_ids.tolist() == [[2, 0]]
+    torch.testing.assert_close(routing.probs[0], 2.5 * torch.stack([s[2], s[0]]) / (s[2] + s[0]))
+    assert not router.expert_bias.requires_grad and router.expert_bias.dtype == torch.float32
+
+
+def test_group_limited_routing_keeps_the_best_groups():
+    """6 experts in 3 groups of 2, top 2 from 1 group: a group counts the sum of its top 2 scores
+    (2 // 1). Group 1 (0.6 + 0.5) beats group 0 (0.9 + 0.0) and group 2 (0.3 + 0.2), so the token
+    takes experts 2 and 3 although expert 0 scores highest."""
+    scores = torch.tensor([[0.9, 0.0, 0.6, 0.5, 0.3, 0.2]])
+    logits = torch.log(scores / (1 - scores)).clamp(min=-30)  # sigmoid(logits) = scores
+    router, tokens = router_with_logits(logits, score_function="sigmoid", norm_topk_prob=False,
+                                        num_groups=3, group_top_k=1)
+    routing = router(tokens)
+    assert sorted(routing.expert_ids[0].tolist()) == [2, 3]
+    torch.testing.assert_close(routing.probs[0].sort().values, torch.tensor([0.5, 0.6]))
+    router.group_top_k = 2  # then top 1 per group (2 // 2) ranks them: groups 0 (0.9) and 1 (0.6)
+    assert sorted(router(tokens).expert_ids[0].tolist()) == [0, 2]

@@ -147,9 +147,9 @@ def _check_model(m: ModelConfig, p: ParallelConfig, tokenizer_vocab_size: int | 
         raise ConfigError(
             f"model.ffn_hidden_size = {m.ffn_hidden_size} is not divisible by parallel.tp = {p.tp}"
         )
-    if m.activation == "relu2" and (m.num_experts or m.backend == "te"):
-        raise ConfigError(f"model.activation = 'relu2' is built by the local backend's dense MLP only (here "
-                          f"model.num_experts = {m.num_experts}, model.backend = {m.backend!r}); use gelu or swiglu")
+    if m.activation == "relu2" and m.backend == "te":
+        raise ConfigError("model.activation = 'relu2' is built by mtl's own MLPs and experts, not by "
+                          "model.backend = 'te'; use gelu or swiglu, or model.backend = 'local'")
     if m.seq_length > m.max_position_embeddings and m.position_embedding == "learned":
         raise ConfigError(
             f"model.seq_length = {m.seq_length} exceeds model.max_position_embeddings = "
@@ -160,6 +160,42 @@ def _check_model(m: ModelConfig, p: ParallelConfig, tokenizer_vocab_size: int | 
             f"model.vocab_size = {m.vocab_size} is smaller than the tokenizer's vocabulary "
             f"({tokenizer_vocab_size}); remove the key or raise it"
         )
+
+
+# MoE keys without effect in a dense model -> their value when off
+ROUTER_KEYS_OFF = {"moe_shared_expert_gate": False, "moe_capacity_factor": 0, "moe_router_expert_bias": False,
+                   "moe_router_scaling_factor": 1.0, "moe_router_num_groups": 1, "moe_router_group_topk": 1,
+                   "moe_router_bias_update_rate": 1e-3}
+
+
+def _check_router_groups(m: ModelConfig) -> None:
+    """The expert bias's update rate, the weights' scaling factor and group-limited routing
+    (Megatron's group_limited_topk)."""
+    if m.moe_router_bias_update_rate < 0:
+        raise ConfigError(f"model.moe_router_bias_update_rate = {m.moe_router_bias_update_rate} must not be negative")
+    if not m.moe_router_expert_bias and m.moe_router_bias_update_rate != ROUTER_KEYS_OFF["moe_router_bias_update_rate"]:
+        raise ConfigError(f"model.moe_router_bias_update_rate = {m.moe_router_bias_update_rate} moves the expert bias: "
+                          "set model.moe_router_expert_bias = true, or remove the key")
+    if not m.moe_router_scaling_factor > 0:
+        raise ConfigError(f"model.moe_router_scaling_factor = {m.moe_router_scaling_factor} must be positive")
+    groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
+    if groups < 1 or m.num_experts % groups:
+        raise ConfigError(f"model.moe_router_num_groups = {groups} must be at least 1 and divide "
+                          f"model.num_experts = {m.num_experts}")
+    if groups == 1 and group_topk == 1:
+        return  # no groups: every expert is a candidate
+    if not 1 <= group_topk <= groups:
+        raise ConfigError(f"model.moe_router_group_topk = {group_topk} must be between 1 and "
+                          f"model.moe_router_num_groups = {groups}")
+    per_group = m.moe_top_k // group_topk  # the scores a group is ranked by
+    if per_group < 1 or per_group > m.num_experts // groups:
+        raise ConfigError(
+            f"model.moe_top_k // model.moe_router_group_topk = {m.moe_top_k} // {group_topk} = {per_group} experts "
+            f"rank each group, which must be between 1 and the group's {m.num_experts // groups} experts"
+        )
+    if m.moe_top_k > group_topk * (m.num_experts // groups):
+        raise ConfigError(f"model.moe_top_k = {m.moe_top_k} exceeds the {group_topk * (m.num_experts // groups)} "
+                          f"experts of the model.moe_router_group_topk = {group_topk} groups a token may use")
 
 
 def _check_moe(m: ModelConfig, p: ParallelConfig) -> None:
@@ -174,10 +210,11 @@ def _check_moe(m: ModelConfig, p: ParallelConfig) -> None:
                 f"model.moe_shared_expert_ffn_hidden_size = {m.moe_shared_expert_ffn_hidden_size} needs "
                 "model.num_experts > 0 (a dense model's MLP is model.ffn_hidden_size)"
             )
-        for key in ("moe_shared_expert_gate", "moe_capacity_factor"):  # set, they would do nothing
-            if getattr(m, key):
+        for key, off in ROUTER_KEYS_OFF.items():  # set, they would do nothing
+            if getattr(m, key) not in (off, None):
                 raise ConfigError(f"model.{key} = {getattr(m, key)} needs model.num_experts > 0 (it is 0)")
         return
+    _check_router_groups(m)
     if not 1 <= m.moe_top_k <= m.num_experts:
         raise ConfigError(
             f"model.moe_top_k = {m.moe_top_k} must be between 1 and model.num_experts = {m.num_experts}"

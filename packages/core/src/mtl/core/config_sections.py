@@ -78,6 +78,22 @@ class ModelConfig:
     # softmax: probabilities over all experts (Mixtral, Qwen); sigmoid: independent scores (DeepSeek-V3)
     moe_router: str = "softmax"
     moe_norm_topk_prob: bool = True  # rescale the top-k routing weights to sum to one (Mixtral, DeepSeek-V3)
+    # add a per-expert bias (router.expert_bias) to the scores when choosing the top k, never to the
+    # weights (DeepSeek-V3, Nemotron-H's e_score_correction_bias; Megatron's --moe-router-enable-expert-bias);
+    # it starts at zero (or a converted checkpoint's values) and moves by moe_router_bias_update_rate
+    moe_router_expert_bias: bool = False
+    # aux-loss-free balancing: after each step every expert bias moves by this much toward balance,
+    # rate * sign(mean count - the expert's count), the counts over the step's tokens on all data- and
+    # context-parallel ranks (Megatron's --moe-router-bias-update-rate, its default); 0: the bias stays as loaded
+    moe_router_bias_update_rate: float = 1e-3
+    # multiplies the top-k routing weights after any normalisation (Megatron's
+    # --moe-router-topk-scaling-factor, HF's routed_scaling_factor)
+    moe_router_scaling_factor: float = 1.0
+    # group-limited routing (DeepSeek-V3; Megatron's --moe-router-num-groups): the experts form this many
+    # equal groups, each token keeps the moe_router_group_topk groups whose best moe_top_k / group_topk
+    # scores sum highest and picks its top k inside them; 1: no groups
+    moe_router_num_groups: int = 1
+    moe_router_group_topk: int = 1  # groups each token may route into (Megatron's --moe-router-group-topk)
     # load-balancing loss coefficient: coeff * E * sum_i f_i * P_i (f_i: share of routed tokens, P_i: mean probability)
     moe_aux_loss_coeff: float = 0.01
     moe_z_loss_coeff: float = 0.0  # router z-loss coefficient: coeff * mean(logsumexp(logits)^2) (ST-MoE)

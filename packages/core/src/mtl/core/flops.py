@@ -3,6 +3,8 @@ iteration, activations per layer) come with its ``ModelFamily`` record; core hol
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import nn
 
 from mtl.core.config import RunConfig, pipeline_rank_layers
@@ -49,8 +51,9 @@ def gather_unit_sizes(model: nn.Module) -> tuple[int, int, int]:
     return largest_layer, largest_other, sum(p.numel() for p in model.parameters() if id(p) not in in_units)
 
 
-def memory_per_gpu_bytes(cfg: RunConfig, num_parameters: int, activation_bytes_per_layer: float | None,
-                         num_expert_parameters: int = 0, unit_parameters: tuple[int, int] | None = None,
+def memory_per_gpu_bytes(cfg: RunConfig, num_parameters: int,
+                         activation_bytes_per_layer: float | Sequence[float] | None,
+                         num_expert_parameters: int = 0, unit_parameters: tuple[int, int, int] | None = None,
                          ) -> dict[str, float]:
     """An estimate per GPU of ``num_parameters`` (the whole model's) split over tp x pp, of which
     the ``num_expert_parameters`` (``param.expert_split_dim``) are also split over ep:
@@ -69,8 +72,8 @@ def memory_per_gpu_bytes(cfg: RunConfig, num_parameters: int, activation_bytes_p
     a layer) and the weights outside every unit, gathered for the whole step;
     ``unit_parameters`` = (largest layer, largest other unit, outside every unit) before
     tp x pp, from ``gather_unit_sizes``. Activations: one micro-batch per in-flight pipeline stage on
-    the rank that keeps the most (``activation_bytes_per_layer`` from the family; left out when
-    it has none)."""
+    the rank that keeps the most (``activation_bytes_per_layer`` from the family, one number for
+    every layer or one per layer in layer order; left out when it has none)."""
     p, t = cfg.parallel, cfg.train
     split = p.tp * p.pp
     dense = (num_parameters - num_expert_parameters) / split
@@ -97,6 +100,9 @@ def memory_per_gpu_bytes(cfg: RunConfig, num_parameters: int, activation_bytes_p
     if activation_bytes_per_layer is not None:
         # 1F1B keeps up to pp - r micro-batches alive on rank r: the busiest holds the most
         ranks = pipeline_rank_layers(cfg.model.num_layers, p)
-        out["activations"] = activation_bytes_per_layer * max(len(held) * (p.pp - r) for r, held in enumerate(ranks))
+        per_layer = activation_bytes_per_layer
+        if not isinstance(per_layer, Sequence):
+            per_layer = [per_layer] * cfg.model.num_layers
+        out["activations"] = max(sum(per_layer[i] for i in held) * (p.pp - r) for r, held in enumerate(ranks))
     out["total"] = sum(out.values())
     return out

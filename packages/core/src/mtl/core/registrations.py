@@ -150,8 +150,9 @@ class ModelFamily:
       part of ``flops_per_iteration``, in layer order (the rest is the LM head's); ``--dry-run``
       shows each pipeline rank's share with it, and with both the pipeline stages are sized by
       FLOPs (``parallel.pipeline_split``).
-    - ``activation_bytes_per_layer(config) -> float`` (optional): activation memory of one
-      layer for one micro-batch on one rank, for ``--dry-run``'s memory estimate.
+    - ``activation_bytes_per_layer(config) -> float | list[float]`` (optional): activation memory
+      of one layer for one micro-batch on one rank, for ``--dry-run``'s memory estimate; a list
+      gives each layer's, in layer order, for a family whose layers differ (hybrid).
     - ``forward_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor]`` (optional): the keyword
       arguments of the model's forward for one micro-batch of the family's dataset (its field
       names, e.g. BERT's ``text``, ``types``, ``padding_mask``; the trainer adds ``position_ids``).
@@ -184,7 +185,7 @@ class ModelFamily:
     layer_spec: Callable[..., Any] | None = None
     flops_per_iteration: Callable[[Any], float] | None = None
     layer_flops_per_iteration: Callable[[Any], list[float]] | None = None
-    activation_bytes_per_layer: Callable[[Any], float] | None = None
+    activation_bytes_per_layer: Callable[[Any], float | list[float]] | None = None
     forward_inputs: Callable[[Any], dict] | None = None
     loss: Callable[..., Any] | None = None
     check_config: Callable[[Any], None] | None = None

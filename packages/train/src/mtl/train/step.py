@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from mtl.core.config import RunConfig
 from mtl.core.plugins import registry
-from mtl.models.moe import set_aux_loss_scale
+from mtl.models.moe import set_aux_loss_scale, update_expert_biases
 from mtl.parallel.topology import Topology
 from mtl.train.cuda_graphs import capture_or_check
 from mtl.train.precision import DTYPES, LossScaler, autocast
@@ -149,6 +149,8 @@ def queue_train_step(config: RunConfig, topology: Topology, chunks: list, optimi
     for chunk in chunks:
         chunk.finish_grad_sync()
     allreduce_shared_embedding_grads(chunks, topology)
+    if config.model.moe_router_expert_bias:  # aux-loss-free balancing: from this step's routing counts
+        update_expert_biases(chunks, topology.group("dp_cp"))
 
     if scaler.scale != 1.0:  # the gradients the optimizer reads: whole, or its shards
         optimizer.scale_grads(1.0 / scaler.scale)

@@ -1,10 +1,11 @@
-"""What the MoE converters (Mixtral, Qwen2-MoE, Qwen3-MoE) share: the expert tensors, the
+"""What the MoE converters (Mixtral, Qwen2-MoE, Qwen3-MoE, Nemotron-H's experts) share: the expert tensors, the
 router's config keys, and which layers are MoE.
 
 HF checkpoints keep one tensor per expert and projection (``experts.{e}.w1.weight`` or
 ``experts.{e}.gate_proj.weight`` ``[ffn, h]``, the way ``save_pretrained`` writes them);
 ours stack them: ``experts.linear_fc1.weight [E, 2, ffn, h]`` (gate, up per expert) and
-``experts.linear_fc2.weight [E, h, ffn]`` (``mtl.models.moe.experts``).
+``experts.linear_fc2.weight [E, h, ffn]`` (``mtl.models.moe.experts``); non-gated experts
+(Nemotron-H's ``up_proj``/``down_proj``) stack to ``[E, ffn, h]`` and ``[E, h, ffn]``.
 
 HF's load-balancing loss (``router_aux_loss_coef``) sums its per-choice token fractions over
 the k choices, so it is k times ours (``mtl.models.moe.router``) for the same coefficient, and
@@ -23,26 +24,30 @@ from mtl.core.errors import ConfigError
 from mtl.models.convert_hf.common import Read
 
 
-def experts_to_mtl(hf_prefix: str, ours: str, num_experts: int, names: tuple[str, str, str],
+def experts_to_mtl(hf_prefix: str, ours: str, num_experts: int, names: tuple[str, ...],
                    read: Read) -> Iterator[tuple[str, torch.Tensor]]:
-    """``hf_prefix{e}.{gate|up|down}.weight`` for every expert -> our two stacked tensors."""
-    gate, up, down = names
-    fc1 = [torch.stack([read(f"{hf_prefix}{e}.{gate}.weight"), read(f"{hf_prefix}{e}.{up}.weight")])
-           for e in range(num_experts)]
-    yield ours + "experts.linear_fc1.weight", torch.stack(fc1)  # [E, 2, ffn, h]
+    """``hf_prefix{e}.{name}.weight`` for every expert -> our two stacked tensors. ``names``:
+    (gate, up, down) of SwiGLU experts, or (up, down) of non-gated ones (Nemotron-H), whose
+    fc1 is ``[E, ffn, h]``."""
+    *fc1_names, down = names
+    fc1 = [torch.stack([read(f"{hf_prefix}{e}.{name}.weight") for name in fc1_names]) for e in range(num_experts)]
+    fc1 = torch.stack(fc1)  # [E, 2, ffn, h] gated, [E, 1, ffn, h] not
+    yield ours + "experts.linear_fc1.weight", fc1 if len(fc1_names) == 2 else fc1.squeeze(1)
     del fc1
     yield ours + "experts.linear_fc2.weight", torch.stack([read(f"{hf_prefix}{e}.{down}.weight")
                                                            for e in range(num_experts)])  # [E, h, ffn]
 
 
-def experts_from_mtl(hf_prefix: str, ours: str, num_experts: int, names: tuple[str, str, str],
+def experts_from_mtl(hf_prefix: str, ours: str, num_experts: int, names: tuple[str, ...],
                      read: Read) -> Iterator[tuple[str, torch.Tensor]]:
     """The inverse of ``experts_to_mtl``."""
-    gate, up, down = names
+    *fc1_names, down = names
     fc1 = read(ours + "experts.linear_fc1.weight")
+    if len(fc1_names) == 1:
+        fc1 = fc1.unsqueeze(1)  # [E, 1, ffn, h]
     for e in range(num_experts):
-        yield f"{hf_prefix}{e}.{gate}.weight", fc1[e, 0]
-        yield f"{hf_prefix}{e}.{up}.weight", fc1[e, 1]
+        for part, name in enumerate(fc1_names):
+            yield f"{hf_prefix}{e}.{name}.weight", fc1[e, part]
     del fc1
     fc2 = read(ours + "experts.linear_fc2.weight")
     for e in range(num_experts):

@@ -34,6 +34,7 @@ _POSITION = {"rope": "rope", "learned_absolute": "learned", "learned": "learned"
 
 # Megatron-LM args whose non-default value is a feature mtl's GPT lacks: (arg, default, feature)
 _REFUSED_ARGS = (
+    # built in mtl's MoE layer (Nemotron-H's converter uses them), not read from Megatron's args yet
     ("moe_router_enable_expert_bias", False, "aux-loss-free expert bias (moe_router_enable_expert_bias)"),
     ("moe_router_num_groups", None, "group-limited routing (moe_router_num_groups)"),
     ("moe_latent_size", None, "latent MoE (moe_latent_size)"),
@@ -219,11 +220,11 @@ def _refuse_features(args: Any, source: str) -> None:
     for name, default, feature in _REFUSED_ARGS:
         value = getattr(args, name, default)
         if value not in (default, None, False, 0):
-            raise ConfigError(f"{source}: args.{name} = {value!r}: {feature} is not supported by mtl's GPT")
+            raise ConfigError(f"{source}: args.{name} = {value!r}: {feature} is not converted from Megatron by mtl")
     scaling = getattr(args, "moe_router_topk_scaling_factor", None)
     if scaling not in (None, 1.0):
         raise ConfigError(f"{source}: args.moe_router_topk_scaling_factor = {scaling}: scaled routing weights are not "
-                          "supported by mtl's MoE")
+                          "converted from Megatron by mtl")
     percent = getattr(args, "rotary_percent", 1.0)
     if percent != 1.0:
         raise ConfigError(f"{source}: args.rotary_percent = {percent}: partial RoPE is not supported by mtl's GPT")

@@ -41,6 +41,11 @@ def check_exportable(m, tp: int, pp: int) -> None:
             if getattr(m, key) != value:
                 raise ConfigError(f"model.{key} = {getattr(m, key)}: Megatron-Core's Llama 3 RoPE scaling fixes it "
                                   f"at {value}; this model cannot be exported to Megatron")
+    unmapped = {"moe_router_expert_bias": False, "moe_router_scaling_factor": 1.0, "moe_router_num_groups": 1}
+    for key, off in unmapped.items():
+        if m.num_experts and getattr(m, key) != off:
+            raise ConfigError(f"model.{key} = {getattr(m, key)}: the Megatron export does not write this routing "
+                              "yet; this model cannot be exported to Megatron")
     if m.num_experts and m.moe_router == "sigmoid" and m.moe_norm_topk_prob != (m.moe_top_k > 1):
         raise ConfigError(
             f"model.moe_norm_topk_prob = {str(m.moe_norm_topk_prob).lower()} with a sigmoid router and moe_top_k = "

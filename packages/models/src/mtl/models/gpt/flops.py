@@ -73,15 +73,32 @@ def activation_bytes_per_layer(cfg: RunConfig) -> float:
     hidden-dropout masks only under ``model.hidden_dropout``. Without sequence parallelism the
     norms' inputs and outputs and the masks are whole on every TP rank. Full recompute keeps
     only the layer's input, 2*s*b*h/tp."""
+    m = cfg.model
+    split = attention_bytes_per_unit(m) + mlp_bytes_per_unit(m, m.ffn_hidden_size)
+    return layer_activation_bytes(cfg, norms=2, split=split)
+
+
+def attention_bytes_per_unit(m) -> float:
+    """16-bit bytes per token and hidden unit attention keeps: q, then k and v at the grouped-query
+    width; the attention output."""
+    kv = m.num_query_groups / m.num_attention_heads
+    return 2 + 4 * kv + 2
+
+
+def mlp_bytes_per_unit(m, ffn_hidden_size: int) -> float:
+    """16-bit bytes per token and hidden unit an MLP of ``ffn_hidden_size`` keeps: fc1's output
+    (SwiGLU's two halves) and the activation's (fc2's input)."""
+    ffn, gated = ffn_hidden_size / m.hidden_size, 2 if m.activation == "swiglu" else 1
+    return 2 * gated * ffn + 2 * ffn
+
+
+def layer_activation_bytes(cfg: RunConfig, *, norms: int, split: float) -> float:
+    """A layer of ``norms`` residual branches (each a norm's input and output, 2 + 2 bytes, and a
+    1-byte dropout mask under ``model.hidden_dropout``) and ``split`` bytes per token and hidden
+    unit that TP divides, for one micro-batch on one rank (see ``activation_bytes_per_layer``)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     s, b, h = m.seq_length // p.cp, t.micro_batch_size, m.hidden_size
-    kv = m.num_query_groups / m.num_attention_heads
-    ffn = m.ffn_hidden_size / h
-    gated = 2 if m.activation == "swiglu" else 1
-    # bytes per token and hidden unit: 16-bit values are 2, the dropout masks 1 each
-    whole = 2 + 2 + 2 + 2 + (2 if m.hidden_dropout > 0 else 0)  # the 2 norms' inputs and outputs, the masks
-    split = (2 + 4 * kv + 2  # q, then k and v at the grouped-query width; the attention output
-             + 2 * gated * ffn + 2 * ffn)  # fc1's output, the activation's (fc2's input)
+    whole = norms * (2 + 2 + (1 if m.hidden_dropout > 0 else 0))
     per_layer = s * b * h * ((whole + split) / p.tp if p.sequence_parallel else whole + split / p.tp)
     if t.recompute == "full":
         per_layer = 2 * s * b * h / p.tp

@@ -1,6 +1,6 @@
 """The ``hybrid`` family's ``ModelFamily`` record: gpt's model (embedding, stack, head, loss,
 pipeline stages, KV cache) with the hybrid layer spec, the SSM parameters drawn by their own
-rules, and FLOPs counted per layer symbol."""
+rules, and FLOPs and activation memory counted per layer symbol."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, Mapping
 from mtl.core.config import RunConfig
 from mtl.core.registrations import Backend, ModelFamily
 from mtl.models.gpt.model import GPTModel, LayerSpec, build_gpt
-from mtl.models.hybrid import flops
+from mtl.models.hybrid import flops, memory
 from mtl.models.hybrid.hf_converter import hybrid_hf_converter
 from mtl.models.family_keys import refuse_non_hybrid_keys
 from mtl.models.hybrid.layer_spec import layer_spec as hybrid_layer_spec
@@ -43,5 +43,6 @@ def hybrid_family(converters: Mapping[str, Any] | None = None) -> ModelFamily:
         layer_spec=hybrid_layer_spec,
         flops_per_iteration=flops.flops_per_iteration,
         layer_flops_per_iteration=flops.layer_flops_per_iteration,
+        activation_bytes_per_layer=memory.activation_bytes_per_layer,
         check_config=refuse_non_hybrid_keys,
     )

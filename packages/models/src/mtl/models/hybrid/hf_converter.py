@@ -1,5 +1,5 @@
 """The ``hf`` converter of the ``hybrid`` family: ``Mamba2ForCausalLM`` (a pattern of ``M`` only) and
-``NemotronHForCausalLM`` (Mamba-2, attention and MLP layers),
+``NemotronHForCausalLM`` (Mamba-2, attention, MLP and MoE layers),
 through gpt's converter machinery (``mtl.models.convert_hf.HFConverter``) with the hybrid
 architectures: tensors read and written one at a time, safetensors sharded past
 ``max_shard_bytes``."""
@@ -28,5 +28,5 @@ def default_architecture(m) -> str:
 
 
 def hybrid_hf_converter() -> HFConverter:
-    """No hybrid architecture here holds experts yet (a pattern with ``E`` is refused by its check)."""
-    return HFConverter(ARCHITECTURES, moe_types=(), default=default_architecture)
+    """Nemotron-H alone holds experts (``E`` layers)."""
+    return HFConverter(ARCHITECTURES, moe_types=("nemotron_h",), default=default_architecture)

@@ -5,7 +5,7 @@ projection as one global tensor ``[num_experts, ...]``:
 
 - ``linear_fc1.weight`` ``[E/ep, fc1_width/tp, h]``; SwiGLU's fc1 holds ``[gate_local; up_local]``
   per expert (``ParamLayout.tp_stride = 2``, as the dense MLP), so its global tensor is ``[E, 2, ffn, h]``;
-  GELU's is ``[E, ffn, h]``;
+  GELU's and squared ReLU's (Nemotron-H) are ``[E, ffn, h]``;
 - ``linear_fc2.weight`` ``[E/ep, h, ffn/tp]``, global ``[E, h, ffn]``.
 
 Each weight's ``ParamLayout`` (``mtl.parallel.param_layout``), read by the checkpoint layout and
@@ -89,12 +89,12 @@ class GroupedExperts(nn.Module):
     def __init__(self, *, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str,
                  init_std: float, output_init_std: float, topology):
         super().__init__()
-        if activation not in ("swiglu", "gelu"):
-            raise ConfigError(f"model.activation = {activation!r}: the experts implement swiglu and gelu")
+        if activation not in ("swiglu", "gelu", "relu2"):
+            raise ConfigError(f"model.activation = {activation!r}: the experts implement swiglu, gelu and relu2")
         ep, self.ep_rank = _ep_size_and_rank(topology)
         tp = _tp_size(topology)
         self.num_local_experts = num_experts // ep
-        self.gated = activation == "swiglu"
+        self.gated, self.activation = activation == "swiglu", activation
         ffn_local = ffn_hidden_size // tp
         fc1_width = 2 * ffn_local if self.gated else ffn_local
         self.linear_fc1 = _ExpertWeight((self.num_local_experts, fc1_width, hidden_size), tp_split_dim=1,
@@ -106,6 +106,9 @@ class GroupedExperts(nn.Module):
     def _activation(self, intermediate: torch.Tensor) -> torch.Tensor:
         if self.gated:  # [gate | up], each [N, ffn/tp]
             return swiglu(intermediate)
+        if self.activation == "relu2":  # squared ReLU (Nemotron-H); relu * relu as the dense MLP's (gpt/mlp.py)
+            relu = F.relu(intermediate)
+            return relu * relu
         return F.gelu(intermediate)
 
     def grouped_mm_usable(self, tokens: torch.Tensor) -> bool:

@@ -65,6 +65,12 @@ class MoELayer(nn.Module):
         topology,
         submodules: MoESubmodules,
         norm: nn.Module | None = None,
+        # DeepSeek-V3 / Nemotron-H routing (router.py); the defaults route as Mixtral and Qwen do
+        router_expert_bias: bool = False,
+        router_scaling_factor: float = 1.0,
+        router_num_groups: int = 1,
+        router_group_top_k: int = 1,
+        router_bias_update_rate: float = 0.0,
     ):
         super().__init__()
         self.tp_group = topology.tp_group if topology is not None else None
@@ -75,6 +81,8 @@ class MoELayer(nn.Module):
             norm_topk_prob=norm_topk_prob, aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
             capacity_factor=capacity_factor, init_std=init_std,
             cp_group=topology.group("cp") if topology is not None else None,  # see router.py
+            expert_bias=router_expert_bias, scaling_factor=router_scaling_factor,
+            num_groups=router_num_groups, group_top_k=router_group_top_k, bias_update_rate=router_bias_update_rate,
         )
         self.experts = GroupedExperts(
             num_experts=num_experts, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,

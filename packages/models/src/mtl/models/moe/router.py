@@ -7,6 +7,16 @@ auxiliary losses.
 - ``sigmoid`` (DeepSeek-V3): an independent score per expert, the top k kept and (with
   ``norm_topk_prob``) normalised over the k.
 
+Choosing is separate from weighting (DeepSeek-V3, Nemotron-H): an optional per-expert bias
+(``expert_bias``, Megatron's ``--moe-router-enable-expert-bias``, HF's ``e_score_correction_bias``)
+is added to the scores only to pick the k experts, and group-limited routing first keeps the
+``group_top_k`` of ``num_groups`` equal expert groups whose best ``k / group_top_k`` biased scores
+sum highest (Megatron's ``group_limited_topk``). The weights are the unbiased scores of the
+chosen experts, normalised as above, times ``scaling_factor`` (Megatron's
+``--moe-router-topk-scaling-factor``, HF's ``routed_scaling_factor``). The bias is a parameter
+without gradient, kept in fp32 and in checkpoints, moved after each step by the aux-loss-free
+rule (``expert_bias.py``) from the tokens each expert was chosen for in training forwards.
+
 Logits are computed in fp32 whatever the autocast: routing decisions flip on small
 differences, and the losses below need fp32 anyway.
 
@@ -101,23 +111,51 @@ def capacity_keep(scores: torch.Tensor, expert_ids: torch.Tensor, num_experts: i
     return (routed & within).gather(1, expert_ids)
 
 
+def group_limited_choice(scores: torch.Tensor, top_k: int, num_groups: int, group_top_k: int) -> torch.Tensor:
+    """``scores [T, E]`` with the experts outside each token's ``group_top_k`` best groups set to
+    -inf; a group's worth is the sum of its ``top_k // group_top_k`` highest scores."""
+    num_tokens, num_experts = scores.shape
+    grouped = scores.view(num_tokens, num_groups, num_experts // num_groups)  # [T, G, E/G]
+    group_scores = grouped.topk(top_k // group_top_k, dim=-1).values.sum(dim=-1)  # [T, G]
+    best_groups = torch.topk(group_scores, group_top_k, dim=-1).indices  # [T, group_top_k]
+    in_best = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)  # [T, G]
+    return grouped.masked_fill(~in_best.unsqueeze(-1), float("-inf")).view(num_tokens, num_experts)
+
+
 class TopKRouter(nn.Module):
     """``weight [E, h]`` (replicated over TP and EP): hidden ``[T, h]`` -> ``Routing``.
     ``cp_group``: the context-parallel group the load-balancing counts are summed over (None at
-    cp = 1: no collective)."""
+    cp = 1: no collective). ``expert_bias``, ``num_groups``/``group_top_k``, ``scaling_factor`` and
+    ``bias_update_rate`` (0: the bias stays as loaded): see the module docstring."""
 
     def __init__(self, *, hidden_size: int, num_experts: int, top_k: int, score_function: str,
                  norm_topk_prob: bool, aux_loss_coeff: float, z_loss_coeff: float,
-                 capacity_factor: float | None, init_std: float = 0.02, cp_group=None):
+                 capacity_factor: float | None, init_std: float = 0.02, cp_group=None,
+                 expert_bias: bool = False, scaling_factor: float = 1.0, num_groups: int = 1,
+                 group_top_k: int = 1, bias_update_rate: float = 0.0):
         super().__init__()
         self.cp_group = cp_group
         self.num_experts, self.top_k = num_experts, top_k
         self.score_function, self.norm_topk_prob = score_function, norm_topk_prob
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
         self.capacity_factor = capacity_factor
+        self.scaling_factor, self.num_groups, self.group_top_k = scaling_factor, num_groups, group_top_k
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         tag_init(self.weight, "normal")
         nn.init.normal_(self.weight, std=init_std)
+        self.expert_bias = None
+        self.bias_update_rate = bias_update_rate
+        if expert_bias:  # no gradient: fp32 state the initialiser and the optimizer leave alone
+            self.expert_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
+            # slots per expert since the last bias update (summed over the step's micro-batches)
+            self.register_buffer("tokens_since_update", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """``scores [T, E]`` -> ``expert_ids [T, k]``: biased and group-limited where configured."""
+        choice = scores if self.expert_bias is None else scores + self.expert_bias.float()
+        if self.num_groups > 1:
+            choice = group_limited_choice(choice, self.top_k, self.num_groups, self.group_top_k)
+        return torch.topk(choice, self.top_k, dim=-1).indices
 
     def forward(self, hidden: torch.Tensor) -> Routing:
         with torch.autocast(hidden.device.type, enabled=False):
@@ -128,8 +166,13 @@ class TopKRouter(nn.Module):
         else:
             scores = torch.sigmoid(logits)
             scores_for_aux = scores / scores.sum(dim=-1, keepdim=True)
-        top_scores, expert_ids = torch.topk(scores, self.top_k, dim=-1)  # [T, k]
+        expert_ids = self.choose(scores)  # [T, k]
+        if self.expert_bias is not None and self.bias_update_rate and self.training and torch.is_grad_enabled():
+            self.tokens_since_update += count_per_expert(expert_ids.detach(), self.num_experts)
+        top_scores = scores.gather(1, expert_ids)  # [T, k], unbiased
         probs = top_scores / top_scores.sum(dim=-1, keepdim=True) if self.norm_topk_prob else top_scores
+        if self.scaling_factor != 1.0:
+            probs = probs * self.scaling_factor
         zero = logits.new_zeros(())
         aux = (load_balancing_loss(scores_for_aux, expert_ids, self.aux_loss_coeff, self.cp_group)
                if self.aux_loss_coeff else zero)
