@@ -98,27 +98,35 @@ GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-4
 
 def write_sized_wordpiece(directory, texts: list[str], vocab_size: int, roles: dict[str, str],
                           extra_specials: tuple[str, ...] = ()):
-    """A lowercase WordPiece ``tokenizer.json`` trained on ``texts``, its vocabulary filled with
-    unused pieces up to ``vocab_size`` (a real model's size: BERT's 30522, T5's 32128), and a
+    """A lowercase WordPiece ``tokenizer.json`` for ``texts``, its vocabulary filled with unused
+    pieces up to ``vocab_size`` (a real model's size: BERT's 30522, T5's 32128), and a
     ``tokenizer_config.json`` naming its special tokens (``roles``: e.g. {"mask_token": "[MASK]"})
     as a Hugging Face folder names them. ``extra_specials``: more special tokens (T5's sentinels).
-    Returns the tokenizer.json path."""
+
+    The vocabulary is built, not trained: the special tokens, every character seen (alone and
+    as a ``##`` continuation) and the 400 most frequent words, ties in alphabetical order. The
+    tokenizers library's trainer breaks ties in hash order, which differs from process to
+    process, so every run of a test would see other token ids. Returns the tokenizer.json path."""
     import json
+    from collections import Counter
     from pathlib import Path
 
-    from tokenizers import Tokenizer
     from tokenizers.implementations import BertWordPieceTokenizer
 
     directory = Path(directory)
-    trained = BertWordPieceTokenizer(lowercase=True)
     specials = list(dict.fromkeys([*roles.values(), *extra_specials]))
-    trained.train_from_iterator(texts, vocab_size=400 + len(specials), min_frequency=2, special_tokens=specials,
-                                show_progress=False)
-    spec = json.loads(trained.to_str())
-    vocab = spec["model"]["vocab"]
-    for i in range(vocab_size - len(vocab)):
-        vocab[f"[unused{i}]"] = len(vocab)
-    Tokenizer.from_str(json.dumps(spec)).save(str(directory / "tokenizer.json"))
+    splitter = BertWordPieceTokenizer(vocab={piece: i for i, piece in enumerate(specials)}, lowercase=True,
+                                      unk_token=roles.get("unk_token", "[UNK]"))
+    normalize, pre_tokenize = splitter.normalizer.normalize_str, splitter.pre_tokenizer.pre_tokenize_str
+    words = Counter(word for text in texts for word, _ in pre_tokenize(normalize(text)))
+    characters = sorted({ch for word in words for ch in word})
+    frequent = [w for w, _ in sorted(words.items(), key=lambda item: (-item[1], item[0])) if len(w) > 1][:400]
+    pieces = list(dict.fromkeys([*specials, *characters, *(f"##{ch}" for ch in characters), *frequent]))
+    pieces += [f"[unused{i}]" for i in range(vocab_size - len(pieces))]
+    tokenizer = BertWordPieceTokenizer(vocab={piece: i for i, piece in enumerate(pieces)}, lowercase=True,
+                                       unk_token=roles.get("unk_token", "[UNK]"))
+    tokenizer.add_special_tokens(specials)
+    tokenizer.save(str(directory / "tokenizer.json"))
     config = {"tokenizer_class": "BertTokenizer", **roles}
     if extra_specials:
         config["additional_special_tokens"] = list(extra_specials)
