@@ -70,32 +70,43 @@ def reference(corpus):
     return result
 
 
+def bert_runs(runs: list[list[str]], corpus) -> list[dict]:
+    return [bert_run(overrides, corpus) for overrides in runs]
+
+
 @pytest.fixture(scope="module")
-def saved_tp2_sp(corpus, tmp_path_factory):
-    """The tp2_sp layout's run, which also saves its step 3: (results, checkpoint directory)."""
-    ckpt = tmp_path_factory.mktemp("bert_ckpt") / "ckpt"
-    world, overrides = LAYOUTS["tp2_sp"]
-    results = run_distributed(bert_run, world, args=([*FIRST_HALF, *overrides, f"ckpt.save='{ckpt}'"], corpus))
-    return results, ckpt
+def checkpoint(tmp_path_factory):
+    return tmp_path_factory.mktemp("bert_ckpt") / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def layout_results(corpus, checkpoint):
+    """Every layout's results, those of one world size from one spawn (starting processes costs
+    more than these runs); tp2_sp also saves its step 3 to ``checkpoint``."""
+    by_world: dict[int, list[tuple[str, list[str]]]] = {}
+    for name, (world, overrides) in LAYOUTS.items():
+        save = [f"ckpt.save='{checkpoint}'"] if name == "tp2_sp" else []
+        by_world.setdefault(world, []).append((name, [*FIRST_HALF, *overrides, *save]))
+    results = {}
+    for world, runs in by_world.items():
+        per_rank = run_distributed(bert_runs, world, args=([overrides for _, overrides in runs], corpus))
+        results.update({name: [rank[i] for rank in per_rank] for i, (name, _) in enumerate(runs)})
+    return results
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_bert_layout_matches_single_process(layout, reference, corpus, request):
-    world, overrides = LAYOUTS[layout]
-    if layout == "tp2_sp":
-        results = request.getfixturevalue("saved_tp2_sp")[0]
-    else:
-        results = run_distributed(bert_run, world, args=([*FIRST_HALF, *overrides], corpus))
+def test_bert_layout_matches_single_process(layout, reference, layout_results):
+    results = layout_results[layout]
     compare_with_reference(layout, results, reference)
     logged = next(r["logged"] for r in results if r["logged"])
     for step, metrics in reference["logged"].items():  # over the TP-split vocabulary and cp-split tokens
         assert logged[step]["mlm_accuracy"] == pytest.approx(metrics["mlm_accuracy"], abs=1e-6), (layout, step)
 
 
-def test_bert_saved_at_tp2_sp_resumes_at_pp2(corpus, saved_tp2_sp):
+def test_bert_saved_at_tp2_sp_resumes_at_pp2(corpus, checkpoint, layout_results):
     """Steps 4-6 resumed at pp2 from the tp2+sp checkpoint of step 3 equal a straight 6-step run."""
     (straight,) = run_distributed(bert_run, 1, args=(["train.iters=6"], corpus))
-    resumed = run_distributed(bert_run, 2, args=(["train.iters=6", *LAYOUTS["pp2"][1], f"ckpt.save='{saved_tp2_sp[1]}'"],
+    resumed = run_distributed(bert_run, 2, args=(["train.iters=6", *LAYOUTS["pp2"][1], f"ckpt.save='{checkpoint}'"],
                                                  corpus))
     losses = next(r["losses"] for r in resumed if r["last_stage"])
     assert sorted(losses) == [4, 5, 6]
