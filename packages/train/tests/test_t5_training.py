@@ -1,6 +1,6 @@
 """The ``t5`` family trains through ``mtl.train.loop.train`` (what ``mtl train`` runs) like one
-process at tp2 and dp2: the first 3 losses within 1e-5 relative and every gradient within the
-gpt layout tests' tolerances; the dp2 run's checkpoint resumes at tp2 like a straight run. T5 1.1-shaped (gated GELU, untied head) on mtl-data's ``t5``
+process at tp2, tp2 with sequence parallelism and dp2, with selective and full recompute: the
+first 3 losses within 1e-5 relative and every gradient within the gpt layout tests' tolerances; the dp2 run's checkpoint resumes at tp2 like a straight run. T5 1.1-shaped (gated GELU, untied head) on mtl-data's ``t5``
 dataset (Megatron's span corruption with sentinels) over a sentence-split corpus, with a
 WordPiece vocabulary of T5's real size (32128 rows)."""
 
@@ -24,7 +24,14 @@ T5 = [
     "model.relative_attention_num_buckets=8", "model.relative_attention_max_distance=20",
     "data.dataset='t5'", "data.tokenizer='hf'", "data.split='90,5,5'",
 ]
-LAYOUTS = {"tp2": (2, ["parallel.tp=2"]), "dp2": (2, [])}
+# Recompute changes no number: each kind rides on a layout rather than costing spawns of its own.
+LAYOUTS = {
+    "tp2": (2, ["parallel.tp=2"]),
+    # both stacks sequence-sharded; cross-attention gathers the sharded encoder output
+    "tp2_sp_selective_recompute": (2, ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                       "train.recompute='selective'"]),
+    "dp2_full_recompute": (2, ["train.recompute='full'"]),
+}
 # Every run follows the same 6-step schedule; the layouts stop after 3 (a run's first half).
 FIRST_HALF = ["train.iters=6", "train.exit_interval=3"]
 
@@ -60,14 +67,14 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dp2_saved(corpus, checkpoint):
     """The dp2 run, saving its step-3 checkpoint: compared with one process, then resumed at tp2."""
-    world, overrides = LAYOUTS["dp2"]
+    world, overrides = LAYOUTS["dp2_full_recompute"]
     return run_distributed(t5_run, world, args=([*FIRST_HALF, *overrides, f"ckpt.save='{checkpoint}'"], corpus))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_t5_layout_matches_single_process(layout, reference, corpus, request):
     world, overrides = LAYOUTS[layout]
-    results = (request.getfixturevalue("dp2_saved") if layout == "dp2"
+    results = (request.getfixturevalue("dp2_saved") if layout.startswith("dp2")
                else run_distributed(t5_run, world, args=([*FIRST_HALF, *overrides], corpus)))
     compare_with_reference(layout, results, reference)
 

@@ -28,7 +28,7 @@ def t5_forward_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def check_t5_config(cfg) -> None:
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
     refuse_other_families_keys(cfg, "t5")
     refused = [
         (m.activation not in T5_ACTIVATIONS, f"model.activation = '{m.activation}'", "'relu' or 'gated-gelu'"),
@@ -41,12 +41,14 @@ def check_t5_config(cfg) -> None:
         (m.qk_norm, "model.qk_norm = true", "false (T5 has none)"),
         (m.attention_dropout != 0, f"model.attention_dropout = {m.attention_dropout}",
          "0 (T5 has one dropout rate: model.hidden_dropout)"),
+        # the decoder's sequence is split over TP too (the encoder's is checked for every family)
+        (p.sequence_parallel and d.decoder_seq_length % p.tp,
+         f"parallel.sequence_parallel = true with data.decoder_seq_length = {d.decoder_seq_length}",
+         f"a decoder_seq_length divisible by parallel.tp = {p.tp}, or sequence_parallel = false"),
         # not built yet: the stage split (encoder stages, then decoder stages carrying the encoder
-        # output), sequence and context parallelism, recompute, CUDA graphs
+        # output and its gradient; see the models README), context parallelism, CUDA graphs
         (p.pp > 1, f"parallel.pp = {p.pp}", "1 (t5 pipeline stages are not built yet)"),
         (p.cp > 1, f"parallel.cp = {p.cp}", "1"),
-        (p.sequence_parallel, "parallel.sequence_parallel = true", "false (not built for t5 yet)"),
-        (t.recompute != "none", f"train.recompute = '{t.recompute}'", "'none' (not built for t5 yet)"),
         (t.cuda_graphs, "train.cuda_graphs = true", "false"),
     ]
     for bad, setting, fix in refused:

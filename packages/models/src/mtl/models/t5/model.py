@@ -9,8 +9,9 @@ bias, cross-attention, ReLU / gated-GELU MLP).
     head:    the embedding (tied) or its own table; T5 1.0 scales the decoder output by h^-0.5 first
 
 Each stack holds one position-bias table (T5 keeps it in its first layer and shares it with
-the others). One process, tensor and data parallelism (heads, MLP and vocabulary split over
-TP); not yet sequence, context or pipeline parallelism (see the package README). Generation caches the
+the others). One process, tensor, sequence and data parallelism (heads, MLP and vocabulary split
+over TP; under SP the hidden states of both stacks are sequence shards), selective or full
+recompute; not yet context or pipeline parallelism (see the package README). Generation caches the
 decoder's self-attention keys and values and the cross-attention's (``EncoderDecoderContext``).
 """
 
@@ -23,15 +24,13 @@ from torch import nn
 
 from mtl.core.errors import ConfigError
 from mtl.core.registrations import Backend
-from mtl.core.spec import ModuleSpec, build_module
-from mtl.models.gpt.attention import SelfAttention, SelfAttentionSubmodules
 from mtl.models.gpt.embedding import GPTEmbedding
-from mtl.models.gpt.mlp import MLPSubmodules
+from mtl.models.gpt.inference_context import InferenceContext
+from mtl.models.gpt.recompute import checkpointed
+from mtl.models.gpt.transformer_layer import sequence_parallel_norm_kwargs
 from mtl.models.initialization import initialize_parameters, tag_weights
 from mtl.models.param_layout import mark_vocab_rows
-from mtl.models.gpt.inference_context import InferenceContext
-from mtl.models.t5.attention import BiasedCoreAttention, CrossAttention
-from mtl.models.t5.mlp import T5MLP
+from mtl.models.t5.layer import T5Layer, sequence_parallel_dropout
 from mtl.models.t5.relative_position import RelativePositionBias
 from mtl.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -56,62 +55,8 @@ class T5Shape:
     scale_decoder_output: bool = True  # T5 1.0: the decoder output times hidden_size**-0.5 before the head
     init_std: float = 0.02
     dropout: float = 0.0
-
-
-@dataclass(frozen=True)
-class CrossAttentionSubmodules:
-    linear_q: object
-    linear_kv: object
-    core_attention: object
-    linear_proj: object
-
-
-class T5Layer(nn.Module):
-    """One encoder (``cross = False``) or decoder layer; pre-norm, residual adds."""
-
-    def __init__(self, shape: T5Shape, backend: Backend, topology, *, layer_number: int, cross: bool):
-        super().__init__()
-
-        def norm():
-            return backend.norm(shape.hidden_size, kind="rmsnorm", eps=shape.norm_eps)
-
-        attention = dict(hidden_size=shape.hidden_size, num_attention_heads=shape.num_attention_heads,
-                         head_dim=shape.head_dim, init_std=shape.init_std, attention_dropout=shape.dropout)
-        core = ModuleSpec(BiasedCoreAttention)
-        self.input_norm = norm()
-        self.self_attention = build_module(
-            ModuleSpec(SelfAttention, dict(attention, num_query_groups=shape.num_attention_heads, bias=False,
-                                           qkv_bias=False, output_init_std=shape.init_std, sequence_parallel=False,
-                                           recompute_core_attention=False),
-                       SelfAttentionSubmodules(backend.column_linear, core, backend.row_linear)),
-            layer_number=layer_number, topology=topology,
-        )
-        self.cross_attention = None
-        if cross:
-            self.pre_cross_attention_norm = norm()
-            self.cross_attention = CrossAttention(
-                **attention, layer_number=layer_number, topology=topology,
-                submodules=CrossAttentionSubmodules(backend.column_linear, backend.column_linear, core, backend.row_linear),
-            )
-        self.pre_mlp_norm = norm()
-        self.mlp = T5MLP(hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
-                         activation=shape.activation, init_std=shape.init_std, output_init_std=shape.init_std,
-                         topology=topology, submodules=MLPSubmodules(backend.column_linear, backend.row_linear))
-        self.dropout = nn.Dropout(shape.dropout)
-
-    def forward(self, hidden, self_bias, encoder_output=None, cross_bias=None, inference_context=None):
-        """hidden [s, b, h]; biases [1 or b, heads/tp, s_q, s_kv] -> [s, b, h]; with an
-        ``inference_context`` the self-attention's keys and values join the cache (gpt's)."""
-        self.self_attention.core_attention.set_bias(self_bias)
-        hidden = hidden + self.dropout(self.self_attention(self.input_norm(hidden), None, inference_context))
-        if self.cross_attention is not None:
-            self.cross_attention.core_attention.set_bias(cross_bias)
-            hidden = hidden + self.dropout(self.cross_attention(self.pre_cross_attention_norm(hidden), encoder_output,
-                                                                inference_context))
-        self.self_attention.core_attention.set_bias(None)
-        if self.cross_attention is not None:
-            self.cross_attention.core_attention.set_bias(None)
-        return hidden + self.dropout(self.mlp(self.pre_mlp_norm(hidden)))
+    sequence_parallel: bool = False  # parallel.sequence_parallel at tp > 1: hidden states [s/tp, b, h]
+    recompute: str = "none"  # train.recompute: 'selective' (core attentions) or 'full' (whole layers)
 
 
 class T5Stack(nn.Module):
@@ -121,17 +66,22 @@ class T5Stack(nn.Module):
         self.relative_position_bias = RelativePositionBias(
             num_buckets=shape.relative_attention_num_buckets, max_distance=shape.relative_attention_max_distance,
             num_heads=shape.num_attention_heads, bidirectional=not decoder, topology=topology)
-        self.layers = nn.ModuleDict({str(i): T5Layer(shape, backend, topology, layer_number=i, cross=decoder)
-                                     for i in range(count)})
-        self.final_norm = backend.norm(shape.hidden_size, kind="rmsnorm", eps=shape.norm_eps)
+        self.layers = nn.ModuleDict({
+            str(i): T5Layer(shape, backend, topology, layer_number=i, cross=decoder,
+                            sequence_parallel=shape.sequence_parallel, recompute_attention=shape.recompute == "selective")
+            for i in range(count)})
+        self.final_norm = backend.norm(shape.hidden_size, kind="rmsnorm", eps=shape.norm_eps,
+                                       **sequence_parallel_norm_kwargs(shape.sequence_parallel, topology))
         self.decoder = decoder
+        self.sequence_parallel, self.full_recompute = shape.sequence_parallel, shape.recompute == "full"
+        self.tp = topology.tp if topology is not None else 1
         self.dropout = nn.Dropout(shape.dropout)
 
     def forward(self, hidden, key_padding: torch.Tensor | None, encoder_output=None, encoder_padding=None,
                 inference_context=None):
-        """hidden [s, b, h]; paddings [b, s] bool (True: a real token) -> [s, b, h]. With an
+        """hidden [s(/tp), b, h]; paddings [b, s] bool (True: a real token) -> [s(/tp), b, h]. With an
         ``inference_context`` (decoder) the queries are the ``s`` tokens after the cached ones."""
-        s = hidden.shape[0]
+        s = hidden.shape[0] * (self.tp if self.sequence_parallel else 1)  # the biases span the whole sequence
         offset = inference_context.sequence_offset if inference_context is not None else 0
         bias = self.relative_position_bias(s, offset + s, offset)  # [1, heads/tp, s, offset + s]
         if self.decoder:
@@ -143,10 +93,14 @@ class T5Stack(nn.Module):
         if self.decoder and encoder_padding is not None:
             cross_bias = torch.zeros(encoder_padding.shape, device=hidden.device).masked_fill(
                 ~encoder_padding, MASKED)[:, None, None, :]  # [b, 1, 1, s_enc]
-        hidden = self.dropout(hidden)
+        hidden = sequence_parallel_dropout(self.dropout, hidden, self.sequence_parallel)
+        recompute = self.full_recompute and self.training and inference_context is None
         for layer in self.layers.values():
-            hidden = layer(hidden, bias, encoder_output, cross_bias, inference_context)
-        return self.dropout(self.final_norm(hidden))
+            if recompute:  # train.recompute = 'full': the biases are arguments, set again on the recompute
+                hidden = checkpointed(layer, hidden, bias, encoder_output, cross_bias)
+            else:
+                hidden = layer(hidden, bias, encoder_output, cross_bias, inference_context)
+        return sequence_parallel_dropout(self.dropout, self.final_norm(hidden), self.sequence_parallel)
 
 
 MASKED = torch.finfo(torch.float32).min  # as HF: a masked score is the lowest float, not -inf
@@ -176,12 +130,13 @@ class T5Model(nn.Module):
         self.shape, self.topology, self.config = shape, topology, config
         self.embedding = GPTEmbedding(padded_vocab_size=shape.padded_vocab_size, hidden_size=shape.hidden_size,
                                       max_position_embeddings=None, init_std=shape.init_std, hidden_dropout=0.0,
-                                      sequence_parallel=False, topology=topology)
+                                      sequence_parallel=shape.sequence_parallel, topology=topology)
         mark_vocab_rows(self.embedding.word_embeddings.weight, shape.vocab_size)
         self.encoder = T5Stack(shape, backend, topology, decoder=False)
         self.decoder = T5Stack(shape, backend, topology, decoder=True)
         self.output_layer = backend.column_linear(shape.hidden_size, shape.padded_vocab_size, bias=False,
-                                                  init_std=shape.init_std, topology=topology, gather_output=False)
+                                                  init_std=shape.init_std, topology=topology, gather_output=False,
+                                                  sequence_parallel=shape.sequence_parallel)
         tag_weights(self.output_layer, "normal")
         mark_vocab_rows(self.output_layer.weight, shape.vocab_size)
         if shape.tie_embeddings:
@@ -194,7 +149,7 @@ class T5Model(nn.Module):
         raise ConfigError("model.family = 't5' runs as one pipeline stage (parallel.pp = 1)")
 
     def encode(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [b, s_enc], padding_mask [b, s_enc] (1: a real token) -> [s_enc, b, h]."""
+        """input_ids [b, s_enc], padding_mask [b, s_enc] (1: a real token) -> [s_enc(/tp), b, h]."""
         real = padding_mask.bool() if padding_mask is not None else None
         return self.encoder(self.embedding(input_ids, None), real)
 
@@ -204,7 +159,7 @@ class T5Model(nn.Module):
                 encoder_output: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [b, s_enc], decoder_input_ids [b, s_dec] -> logits [b, s_dec, V/tp], or with
         ``labels`` [b, s_dec] (-1 on padding) the per-token fp32 loss [b, s_dec]. T5's positions
-        are relative: ``position_ids`` is not read. ``encoder_output`` [s_enc, b, h] skips the encoder."""
+        are relative: ``position_ids`` is not read. ``encoder_output`` [s_enc(/tp), b, h] skips the encoder."""
         if inference_context is not None and not isinstance(inference_context, EncoderDecoderContext):
             raise ConfigError("model.family = 't5' decodes with an mtl.models.t5.generate.EncoderDecoderContext "
                               "(it also caches the cross-attention's keys and values)")
@@ -234,7 +189,8 @@ def shape_from_config(config) -> T5Shape:
         relative_attention_num_buckets=m.relative_attention_num_buckets,
         relative_attention_max_distance=m.relative_attention_max_distance, norm_eps=m.norm_eps,
         tie_embeddings=m.tie_embeddings, scale_decoder_output=m.scale_decoder_output, init_std=m.init_std,
-        dropout=m.hidden_dropout,
+        dropout=m.hidden_dropout, sequence_parallel=config.parallel.sequence_parallel and config.parallel.tp > 1,
+        recompute=config.train.recompute,
     )
 
 
