@@ -31,6 +31,9 @@ LAYOUTS = {
     "tp2_sp_selective_recompute": (2, ["parallel.tp=2", "parallel.sequence_parallel=true",
                                        "train.recompute='selective'"]),
     "dp2_full_recompute": (2, ["train.recompute='full'"]),
+    "pp2": (2, ["parallel.pp=2"]),  # encoder | decoder
+    "pp4": (4, ["parallel.pp=4"]),  # 2 encoder stages, then 2 decoder stages
+    "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
 }
 # Every run follows the same 6-step schedule; the layouts stop after 3 (a run's first half).
 FIRST_HALF = ["train.iters=6", "train.exit_interval=3"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from mtl.core.config import RunConfig, pipeline_rank_layers
+from mtl.core.config import RunConfig, pipeline_num_layers, pipeline_rank_layers
 
 
 def parameter_counts(model: nn.Module) -> dict[str, int]:
@@ -87,7 +87,7 @@ def memory_per_gpu_bytes(cfg: RunConfig, num_parameters: int, activation_bytes_p
             out["weights"] += (2 * layer + outside) * weight_bytes
     if activation_bytes_per_layer is not None:
         # 1F1B keeps up to pp - r micro-batches alive on rank r: the busiest holds the most
-        ranks = pipeline_rank_layers(cfg.model.num_layers, p)
+        ranks = pipeline_rank_layers(pipeline_num_layers(cfg.model), p)
         out["activations"] = activation_bytes_per_layer * max(len(held) * (p.pp - r) for r, held in enumerate(ranks))
     out["total"] = sum(out.values())
     return out

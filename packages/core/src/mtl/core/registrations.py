@@ -150,6 +150,13 @@ class ModelFamily:
       part of ``flops_per_iteration``, in layer order (the rest is the LM head's); ``--dry-run``
       shows each pipeline rank's share with it, and with both the pipeline stages are sized by
       FLOPs (``parallel.pipeline_split``).
+    - ``pipeline_layers(model_section) -> int`` (optional): how many layers the pipeline stages
+      split, in model order; ``layer_range`` counts in them. Without it ``model.num_layers``
+      (t5: its encoder layers, then its decoder layers).
+    - ``pipeline_tensor_shape(config) -> tuple[int, ...]`` (optional): the shape of what one stage
+      sends the next for one micro-batch (gpt's ``[s/cp(/tp), b, h]`` without it); a family whose
+      stages carry more than one hidden state (t5: the encoder output beside the decoder's) packs
+      them into this one tensor, and its gradient comes back the same way.
     - ``activation_bytes_per_layer(config) -> float`` (optional): activation memory of one
       layer for one micro-batch on one rank, for ``--dry-run``'s memory estimate.
     - ``forward_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor]`` (optional): the keyword
@@ -185,6 +192,8 @@ class ModelFamily:
     flops_per_iteration: Callable[[Any], float] | None = None
     layer_flops_per_iteration: Callable[[Any], list[float]] | None = None
     activation_bytes_per_layer: Callable[[Any], float] | None = None
+    pipeline_layers: Callable[[Any], int] | None = None
+    pipeline_tensor_shape: Callable[[Any], tuple] | None = None
     forward_inputs: Callable[[Any], dict] | None = None
     loss: Callable[..., Any] | None = None
     check_config: Callable[[Any], None] | None = None
