@@ -37,6 +37,10 @@ LAYOUTS = {
     "pp4": (4, ["parallel.pp=4"]),  # 2 encoder stages, then 2 decoder stages
     "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
 }
+# T5 1.0's head (tied to the embedding, the decoder output rescaled first) split over stages: the
+# first stage's embedding and the last stage's copy sum their gradients; compared with its own run.
+T5_1_0 = ["model.activation='relu'", "model.tie_embeddings=true", "model.scale_decoder_output=true"]
+TIED_LAYOUTS = {"pp2_tied_head": (2, ["parallel.pp=2", *T5_1_0])}
 # Every run follows the same 6-step schedule; the layouts stop after 3 (a run's first half).
 FIRST_HALF = ["train.iters=6", "train.exit_interval=3"]
 SAVED_AT, RESUMED_AT = "pp2", "tp2"  # the checkpoint's layout, and the one that resumes it
@@ -69,8 +73,9 @@ def worlds(corpus, tmp_path_factory):
     """Every run, grouped by world size: {world: [each rank's {name: result}]}. The 2-process
     world also saves the pp2 run's step-3 checkpoint and resumes it at tp2 for steps 4-6."""
     checkpoint = tmp_path_factory.mktemp("t5_ckpt") / "ckpt"
-    runs = {1: [("reference", FIRST_HALF), ("straight", ["train.iters=6"])], 2: [], 4: []}
-    for name, (world, overrides) in LAYOUTS.items():
+    runs = {1: [("reference", FIRST_HALF), ("straight", ["train.iters=6"]), ("reference_tied", [*FIRST_HALF, *T5_1_0])],
+            2: [], 4: []}
+    for name, (world, overrides) in {**LAYOUTS, **TIED_LAYOUTS}.items():
         save = [f"ckpt.save='{checkpoint}'"] if name == SAVED_AT else []
         runs[world].append((name, [*FIRST_HALF, *overrides, *save]))
     runs[2].append(("resumed", ["train.iters=6", *LAYOUTS[RESUMED_AT][1], f"ckpt.save='{checkpoint}'"]))
@@ -81,9 +86,9 @@ def results_of(worlds, name):
     return next([rank[name] for rank in ranks] for ranks in worlds.values() if name in ranks[0])
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [*LAYOUTS, *TIED_LAYOUTS])
 def test_t5_layout_matches_single_process(layout, worlds):
-    (reference,) = results_of(worlds, "reference")
+    (reference,) = results_of(worlds, "reference_tied" if layout in TIED_LAYOUTS else "reference")
     assert len(reference["losses"]) == 3
     compare_with_reference(layout, results_of(worlds, layout), reference)
 
