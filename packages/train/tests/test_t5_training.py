@@ -1,6 +1,6 @@
 """The ``t5`` family trains through ``mtl.train.loop.train`` (what ``mtl train`` runs) like one
 process at tp2, tp2 with sequence parallelism, dp2, pp2 (encoder | decoder), pp4 (2 + 2 stages)
-and tp2 x pp2, with selective and full recompute: the first 3 losses within 1e-5 relative and
+and tp2 (sequence-parallel) x pp2, with selective and full recompute: the first 3 losses within 1e-5 relative and
 every gradient within the gpt layout tests' tolerances; the pp2 run's checkpoint resumes at tp2
 like a straight run. T5 1.1-shaped (gated GELU, untied head) on mtl-data's ``t5``
 dataset (Megatron's span corruption with sentinels) over a sentence-split corpus, with a
@@ -35,7 +35,8 @@ LAYOUTS = {
     "dp2_full_recompute": (2, ["train.recompute='full'"]),
     "pp2": (2, ["parallel.pp=2"]),  # encoder | decoder
     "pp4": (4, ["parallel.pp=4"]),  # 2 encoder stages, then 2 decoder stages
-    "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
+    # with sequence parallelism: the stages exchange sequence shards of both stacks' states
+    "tp2_sp_pp2": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=2"]),
 }
 # T5 1.0's head (tied to the embedding, the decoder output rescaled first) split over stages: the
 # first stage's embedding and the last stage's copy sum their gradients; compared with its own run.
