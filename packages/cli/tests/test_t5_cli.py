@@ -8,8 +8,10 @@ T5 = ["model.family='t5'", "model.activation='gated-gelu'", "model.normalization
 
 
 @pytest.mark.parametrize("overrides, needles", [
-    (T5 + ["parallel.pp=2"], ["parallel.pp = 2", "t5"]),
-    (T5 + ["parallel.tp=2", "parallel.sequence_parallel=true"], ["parallel.sequence_parallel", "t5"]),
+    (T5 + ["parallel.pp=2", "parallel.vpp=2"], ["parallel.vpp = 2", "t5"]),
+    (T5 + ["parallel.cp=2"], ["parallel.cp = 2", "t5"]),
+    (T5 + ["parallel.tp=2", "parallel.sequence_parallel=true", "data.decoder_seq_length=15"],
+     ["data.decoder_seq_length = 15", "parallel.tp = 2"]),
     (T5 + ["model.activation='swiglu'"], ["model.activation = 'swiglu'", "'gated-gelu'"]),
     (["model.activation='relu'"], ["model.activation = 'relu'", "t5"]),  # a t5 MLP on gpt
     (["model.relative_attention_num_buckets=16"], ["model.relative_attention_num_buckets", "'t5'"]),

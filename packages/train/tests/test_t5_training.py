@@ -1,6 +1,8 @@
 """The ``t5`` family trains through ``mtl.train.loop.train`` (what ``mtl train`` runs) like one
-process at tp2 and dp2: the first 3 losses within 1e-5 relative and every gradient within the
-gpt layout tests' tolerances; the dp2 run's checkpoint resumes at tp2 like a straight run. T5 1.1-shaped (gated GELU, untied head) on mtl-data's ``t5``
+process at tp2, tp2 with sequence parallelism, dp2, pp2 (encoder | decoder), pp4 (2 + 2 stages)
+and tp2 (sequence-parallel) x pp2, with selective and full recompute: the first 3 losses within 1e-5 relative and
+every gradient within the gpt layout tests' tolerances; the pp2 run's checkpoint resumes at tp2
+like a straight run. T5 1.1-shaped (gated GELU, untied head) on mtl-data's ``t5``
 dataset (Megatron's span corruption with sentinels) over a sentence-split corpus, with a
 WordPiece vocabulary of T5's real size (32128 rows)."""
 
@@ -24,15 +26,37 @@ T5 = [
     "model.relative_attention_num_buckets=8", "model.relative_attention_max_distance=20",
     "data.dataset='t5'", "data.tokenizer='hf'", "data.split='90,5,5'",
 ]
-LAYOUTS = {"tp2": (2, ["parallel.tp=2"]), "dp2": (2, [])}
+# Issue 35's layouts; recompute changes no number, so each kind rides on a layout of its own.
+LAYOUTS = {
+    "tp2": (2, ["parallel.tp=2"]),
+    # both stacks sequence-sharded; cross-attention gathers the sharded encoder output
+    "tp2_sp_selective_recompute": (2, ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                       "train.recompute='selective'"]),
+    "dp2_full_recompute": (2, ["train.recompute='full'"]),
+    "pp2": (2, ["parallel.pp=2"]),  # encoder | decoder
+    "pp4": (4, ["parallel.pp=4"]),  # 2 encoder stages, then 2 decoder stages
+    # with sequence parallelism: the stages exchange sequence shards of both stacks' states
+    "tp2_sp_pp2": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=2"]),
+}
+# T5 1.0's head (tied to the embedding, the decoder output rescaled first) split over stages: the
+# first stage's embedding and the last stage's copy sum their gradients; compared with its own run.
+T5_1_0 = ["model.activation='relu'", "model.tie_embeddings=true", "model.scale_decoder_output=true"]
+TIED_LAYOUTS = {"pp2_tied_head": (2, ["parallel.pp=2", *T5_1_0])}
 # Every run follows the same 6-step schedule; the layouts stop after 3 (a run's first half).
 FIRST_HALF = ["train.iters=6", "train.exit_interval=3"]
+SAVED_AT, RESUMED_AT = "pp2", "tp2"  # the checkpoint's layout, and the one that resumes it
 
 
 def t5_run(overrides, corpus):
     prefix, tokenizer = corpus
     with_grads = "train.exit_interval=3" in overrides  # the resume runs need losses only
     return run_tiny([*T5, f"data.tokenizer_model='{tokenizer}'", f"data.paths=['{prefix}']", *overrides], with_grads)
+
+
+def t5_runs(runs, corpus):
+    """Each ``(name, overrides)`` of ``runs`` in turn, in one spawned world (a spawn costs more
+    than a run on 2 cores) -> {name: this rank's result}."""
+    return {name: t5_run(overrides, corpus) for name, overrides in runs}
 
 
 @pytest.fixture(scope="module")
@@ -46,38 +70,34 @@ def corpus(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(corpus):
-    (result,) = run_distributed(t5_run, 1, args=(FIRST_HALF, corpus))
-    assert len(result["losses"]) == 3
-    return result
+def worlds(corpus, tmp_path_factory):
+    """Every run, grouped by world size: {world: [each rank's {name: result}]}. The 2-process
+    world also saves the pp2 run's step-3 checkpoint and resumes it at tp2 for steps 4-6."""
+    checkpoint = tmp_path_factory.mktemp("t5_ckpt") / "ckpt"
+    runs = {1: [("reference", FIRST_HALF), ("straight", ["train.iters=6"]), ("reference_tied", [*FIRST_HALF, *T5_1_0])],
+            2: [], 4: []}
+    for name, (world, overrides) in {**LAYOUTS, **TIED_LAYOUTS}.items():
+        save = [f"ckpt.save='{checkpoint}'"] if name == SAVED_AT else []
+        runs[world].append((name, [*FIRST_HALF, *overrides, *save]))
+    runs[2].append(("resumed", ["train.iters=6", *LAYOUTS[RESUMED_AT][1], f"ckpt.save='{checkpoint}'"]))
+    return {world: run_distributed(t5_runs, world, args=(world_runs, corpus)) for world, world_runs in runs.items()}
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return tmp_path_factory.mktemp("t5_ckpt") / "ckpt"
+def results_of(worlds, name):
+    return next([rank[name] for rank in ranks] for ranks in worlds.values() if name in ranks[0])
 
 
-@pytest.fixture(scope="module")
-def dp2_saved(corpus, checkpoint):
-    """The dp2 run, saving its step-3 checkpoint: compared with one process, then resumed at tp2."""
-    world, overrides = LAYOUTS["dp2"]
-    return run_distributed(t5_run, world, args=([*FIRST_HALF, *overrides, f"ckpt.save='{checkpoint}'"], corpus))
+@pytest.mark.parametrize("layout", [*LAYOUTS, *TIED_LAYOUTS])
+def test_t5_layout_matches_single_process(layout, worlds):
+    (reference,) = results_of(worlds, "reference_tied" if layout in TIED_LAYOUTS else "reference")
+    assert len(reference["losses"]) == 3
+    compare_with_reference(layout, results_of(worlds, layout), reference)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_t5_layout_matches_single_process(layout, reference, corpus, request):
-    world, overrides = LAYOUTS[layout]
-    results = (request.getfixturevalue("dp2_saved") if layout == "dp2"
-               else run_distributed(t5_run, world, args=([*FIRST_HALF, *overrides], corpus)))
-    compare_with_reference(layout, results, reference)
-
-
-def test_t5_saved_at_dp2_resumes_at_tp2(corpus, checkpoint, dp2_saved):
-    """Steps 4-6 resumed at tp2 from the dp2 run's step-3 checkpoint equal a straight 6-step run."""
-    (straight,) = run_distributed(t5_run, 1, args=(["train.iters=6"], corpus))
-    resumed = run_distributed(t5_run, 2, args=(["train.iters=6", *LAYOUTS["tp2"][1], f"ckpt.save='{checkpoint}'"],
-                                               corpus))
-    losses = next(r["losses"] for r in resumed if r["last_stage"])
+def test_t5_saved_at_pp2_resumes_at_tp2(worlds):
+    """Steps 4-6 resumed at tp2 from the pp2 run's step-3 checkpoint equal a straight 6-step run."""
+    (straight,) = results_of(worlds, "straight")
+    losses = next(r["losses"] for r in results_of(worlds, "resumed") if r["last_stage"])
     assert sorted(losses) == [4, 5, 6]
     for step in (4, 5, 6):
         assert abs(losses[step] - straight["losses"][step]) <= LOSS_RTOL * abs(straight["losses"][step])

@@ -11,7 +11,7 @@ import os
 import torch
 
 from mtl.cli.launch import resolve_at
-from mtl.core.config import RunConfig, layer_and_head_flops, pipeline_rank_layers
+from mtl.core.config import RunConfig, layer_and_head_flops, pipeline_num_layers, pipeline_rank_layers
 from mtl.core.config_io import format_config
 from mtl.core.flops import gather_unit_sizes, memory_per_gpu_bytes, parameter_counts
 from mtl.core.model_protocol import build_model
@@ -74,7 +74,7 @@ def pipeline_shares(cfg: RunConfig, layer_flops: list[float], head_flops: float)
     ``parallel.virtual_stage_layers`` sizes them by hand."""
     p = cfg.parallel
     total = sum(layer_flops) + head_flops
-    held = pipeline_rank_layers(cfg.model.num_layers, p)
+    held = pipeline_rank_layers(pipeline_num_layers(cfg.model), p)
     flops = [sum(layer_flops[i] for i in layers) for layers in held]
     flops[-1] += head_flops
     shares = [f"rank {r} {100 * f / total:.1f}% ({len(held[r])} layer{'s' if len(held[r]) != 1 else ''}"

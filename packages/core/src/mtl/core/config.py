@@ -26,6 +26,7 @@ from mtl.core.config_pipeline import (  # noqa: F401 (importable from here)
     derive_flops_split,
     layer_and_head_flops,
     pipeline_layer_split,
+    pipeline_num_layers,
     pipeline_rank_layers,
 )
 from mtl.core.config_sections import (  # noqa: F401 (importable from here)

@@ -9,7 +9,7 @@ from typing import Any
 
 from mtl.core.config_feature_checks import check_features
 from mtl.core.config_hybrid import check_hybrid, check_hybrid_values
-from mtl.core.config_pipeline import check_flops_split, pipeline_layer_split
+from mtl.core.config_pipeline import check_flops_split, pipeline_layer_split, pipeline_num_layers
 from mtl.core.config_sections import CHOICES, SECTIONS, ModelConfig, ParallelConfig, TrainConfig
 from mtl.core.errors import ConfigError
 
@@ -82,9 +82,9 @@ def _check_layout(p: ParallelConfig, m: ModelConfig) -> None:
             "for sequence parallelism"
         )
     if p.pipeline_split == "flops" and p.virtual_stage_layers is None:
-        check_flops_split(m.num_layers, p)  # the split itself needs the resolved model: resolve's end
+        check_flops_split(pipeline_num_layers(m), p)  # the split itself needs the resolved model: resolve's end
     else:
-        pipeline_layer_split(m.num_layers, p)  # raises on a bad split
+        pipeline_layer_split(pipeline_num_layers(m), p)  # raises on a bad split
 
 
 def _check_sharding_spellings(p: ParallelConfig) -> None:

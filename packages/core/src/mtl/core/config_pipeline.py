@@ -81,6 +81,18 @@ def _explicit_layer_split(num_layers: int, p: ParallelConfig) -> list[int]:
     return list(counts)
 
 
+def pipeline_num_layers(m: ModelConfig) -> int:
+    """The layers the pipeline stages split: ``model.num_layers``, or what the model family counts
+    (``ModelFamily.pipeline_layers``: t5's encoder and decoder layers)."""
+    from mtl.core.plugins import registry  # noqa: PLC0415 (plugins imports the hookspecs, not config)
+
+    families = registry("model family")
+    family = families.get(m.family) if m.family in families else None
+    if family is None or family.pipeline_layers is None:
+        return m.num_layers
+    return family.pipeline_layers(m)
+
+
 def default_pipeline_split(p: ParallelConfig, m: ModelConfig) -> str:
     """``parallel.pipeline_split`` unset: by FLOPs at pp > 1 where the model family counts them and
     no layer counts are given (the split users run fastest, by measurement); else even."""

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from mtl.core.config import RunConfig, pipeline_rank_layers
+from mtl.core.config import RunConfig, pipeline_num_layers, pipeline_rank_layers
 from mtl.core.model_protocol import gather_units_of
 
 
@@ -99,10 +99,10 @@ def memory_per_gpu_bytes(cfg: RunConfig, num_parameters: int,
             out["weights"] += (max(layer, table) + layer + outside) * weight_bytes
     if activation_bytes_per_layer is not None:
         # 1F1B keeps up to pp - r micro-batches alive on rank r: the busiest holds the most
-        ranks = pipeline_rank_layers(cfg.model.num_layers, p)
+        ranks = pipeline_rank_layers(pipeline_num_layers(cfg.model), p)
         per_layer = activation_bytes_per_layer
         if not isinstance(per_layer, Sequence):
-            per_layer = [per_layer] * cfg.model.num_layers
+            per_layer = [per_layer] * pipeline_num_layers(cfg.model)
         out["activations"] = max(sum(per_layer[i] for i in held) * (p.pp - r) for r, held in enumerate(ranks))
     out["total"] = sum(out.values())
     return out

@@ -153,6 +153,13 @@ class ModelFamily:
     - ``activation_bytes_per_layer(config) -> float | list[float]`` (optional): activation memory
       of one layer for one micro-batch on one rank, for ``--dry-run``'s memory estimate; a list
       gives each layer's, in layer order, for a family whose layers differ (hybrid).
+    - ``pipeline_layers(model_section) -> int`` (optional): how many layers the pipeline stages
+      split, in model order; ``layer_range`` counts in them. Without it ``model.num_layers``
+      (t5: its encoder layers, then its decoder layers).
+    - ``pipeline_tensor_shape(config) -> tuple[int, ...]`` (optional): the shape of what one stage
+      sends the next for one micro-batch (gpt's ``[s/cp(/tp), b, h]`` without it); a family whose
+      stages carry more than one hidden state (t5: the encoder output beside the decoder's) packs
+      them into this one tensor, and its gradient comes back the same way.
     - ``forward_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor]`` (optional): the keyword
       arguments of the model's forward for one micro-batch of the family's dataset (its field
       names, e.g. BERT's ``text``, ``types``, ``padding_mask``; the trainer adds ``position_ids``).
@@ -186,6 +193,8 @@ class ModelFamily:
     flops_per_iteration: Callable[[Any], float] | None = None
     layer_flops_per_iteration: Callable[[Any], list[float]] | None = None
     activation_bytes_per_layer: Callable[[Any], float | list[float]] | None = None
+    pipeline_layers: Callable[[Any], int] | None = None
+    pipeline_tensor_shape: Callable[[Any], tuple] | None = None
     forward_inputs: Callable[[Any], dict] | None = None
     loss: Callable[..., Any] | None = None
     check_config: Callable[[Any], None] | None = None

@@ -6,7 +6,7 @@ only where the layout that placed it is the same, and these functions say whethe
 
 from __future__ import annotations
 
-from mtl.core.config import ParallelConfig, RunConfig, pipeline_layer_split
+from mtl.core.config import ParallelConfig, RunConfig, pipeline_layer_split, pipeline_num_layers
 from mtl.core.config_io import config_diff, config_from_dict
 from mtl.parallel.topology import Topology
 
@@ -43,7 +43,7 @@ def stage_split_change(metadata: dict, config: RunConfig) -> str:
     saved, p = metadata["config"]["parallel"], config.parallel
     if (saved.get("pp"), saved.get("vpp")) != (p.pp, p.vpp):
         return ""
-    num_layers = config.model.num_layers
+    num_layers = pipeline_num_layers(config.model)
     stages = ParallelConfig(pp=p.pp, vpp=p.vpp, **{k: saved.get(k) for k in STAGE_SIZE_KEYS})
     saved_split, split = pipeline_layer_split(num_layers, stages), pipeline_layer_split(num_layers, p)
     return f"layers per pipeline stage {saved_split} -> {split}" if saved_split != split else ""

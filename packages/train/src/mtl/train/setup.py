@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from mtl.core.config import RunConfig
+from mtl.core.config import RunConfig, pipeline_num_layers
 from mtl.core.log import get_logger
 from mtl.core.model_protocol import LanguageModel, build_model
 from mtl.core.plugins import registry
@@ -50,7 +50,7 @@ def build_model_chunks(config: RunConfig, topology: Topology, device: torch.devi
     chunks = []
     for chunk in range(p.vpp):
         layer_range = stage_layer_range(
-            config.model.num_layers, topology, chunk,
+            pipeline_num_layers(config.model), topology, chunk,
             first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,
             virtual_stage_layers=p.virtual_stage_layers,
         )

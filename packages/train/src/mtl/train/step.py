@@ -66,8 +66,12 @@ def _masked_token_mean(per_token_loss: torch.Tensor, batch: dict[str, torch.Tens
     return loss, {"loss": loss.detach()}
 
 
-def _tensor_shape(config: RunConfig) -> tuple[int, int, int]:
-    """Shape of the activations passed between pipeline stages: [s/cp(/tp with SP), b, h]."""
+def _tensor_shape(config: RunConfig) -> tuple[int, ...]:
+    """Shape of the activations passed between pipeline stages: [s/cp(/tp with SP), b, h], or
+    the model family's (``ModelFamily.pipeline_tensor_shape``)."""
+    family = registry("model family").get(config.model.family)
+    if family.pipeline_tensor_shape is not None:
+        return tuple(family.pipeline_tensor_shape(config))
     m, p = config.model, config.parallel
     seq = m.seq_length // p.cp
     if p.sequence_parallel:

@@ -12,6 +12,7 @@ from mtl.models.family_keys import T5_ACTIVATIONS, refuse_other_families_keys
 from mtl.models.t5 import flops
 from mtl.models.t5.generate import t5_generate
 from mtl.models.t5.model import build_t5
+from mtl.models.t5.stage_payload import pipeline_tensor_shape
 
 FIELDS = ("text_enc", "text_dec", "labels", "loss_mask", "enc_mask", "dec_mask")
 
@@ -28,7 +29,7 @@ def t5_forward_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def check_t5_config(cfg) -> None:
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
     refuse_other_families_keys(cfg, "t5")
     refused = [
         (m.activation not in T5_ACTIVATIONS, f"model.activation = '{m.activation}'", "'relu' or 'gated-gelu'"),
@@ -41,12 +42,14 @@ def check_t5_config(cfg) -> None:
         (m.qk_norm, "model.qk_norm = true", "false (T5 has none)"),
         (m.attention_dropout != 0, f"model.attention_dropout = {m.attention_dropout}",
          "0 (T5 has one dropout rate: model.hidden_dropout)"),
-        # not built yet: the stage split (encoder stages, then decoder stages carrying the encoder
-        # output), sequence and context parallelism, recompute, CUDA graphs
-        (p.pp > 1, f"parallel.pp = {p.pp}", "1 (t5 pipeline stages are not built yet)"),
+        # the decoder's sequence is split over TP too (the encoder's is checked for every family)
+        (p.sequence_parallel and d.decoder_seq_length % p.tp,
+         f"parallel.sequence_parallel = true with data.decoder_seq_length = {d.decoder_seq_length}",
+         f"a decoder_seq_length divisible by parallel.tp = {p.tp}, or sequence_parallel = false"),
+        # not built: interleaved stages (untested for t5), context parallelism (issue 35 asks it of
+        # bert only), CUDA graphs
+        (p.vpp > 1, f"parallel.vpp = {p.vpp}", "1 (interleaved t5 pipeline stages are not tested yet)"),
         (p.cp > 1, f"parallel.cp = {p.cp}", "1"),
-        (p.sequence_parallel, "parallel.sequence_parallel = true", "false (not built for t5 yet)"),
-        (t.recompute != "none", f"train.recompute = '{t.recompute}'", "'none' (not built for t5 yet)"),
         (t.cuda_graphs, "train.cuda_graphs = true", "false"),
     ]
     for bad, setting, fix in refused:
@@ -61,6 +64,8 @@ T5_FAMILY = ModelFamily(
     forward_inputs=t5_forward_inputs,
     check_config=check_t5_config,
     converters={"hf": t5_converter()},
-    flops_per_iteration=flops.flops_per_iteration,  # TFLOP/s and MFU; no per-layer split: no pipeline yet
+    flops_per_iteration=flops.flops_per_iteration,  # TFLOP/s and MFU; no per-layer split: stages split evenly
+    pipeline_layers=lambda model: model.num_layers + model.num_decoder_layers,  # encoder's, then decoder's
+    pipeline_tensor_shape=pipeline_tensor_shape,
     generate=t5_generate,
 )

@@ -18,18 +18,18 @@ ACTIVATIONS = ("relu", "gated-gelu")
 
 class T5MLP(nn.Module):
     def __init__(self, *, hidden_size: int, ffn_hidden_size: int, activation: str, init_std: float,
-                 output_init_std: float, topology, submodules):
+                 output_init_std: float, topology, submodules, sequence_parallel: bool = False):
         super().__init__()
         self.gated = activation == "gated-gelu"
         self.linear_fc1 = build_module(submodules.linear_fc1, hidden_size, (2 if self.gated else 1) * ffn_hidden_size,
-                                       bias=False, init_std=init_std, topology=topology, sequence_parallel=False,
-                                       stride=2 if self.gated else 1)
+                                       bias=False, init_std=init_std, topology=topology,
+                                       sequence_parallel=sequence_parallel, stride=2 if self.gated else 1)
         tag_weights(self.linear_fc1, "normal")
         if self.gated:
             set_param_layout(self.linear_fc1.weight, tp_stride=2)
         self.linear_fc2 = build_module(submodules.linear_fc2, ffn_hidden_size, hidden_size, bias=False,
                                        init_std=output_init_std, topology=topology, input_is_parallel=True,
-                                       sequence_parallel=False)
+                                       sequence_parallel=sequence_parallel)
         tag_weights(self.linear_fc2, "residual_output")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
