@@ -9,7 +9,8 @@ For each concurrency C (``--concurrency 1 16 64``) both serve C requests of ``--
 random prompt tokens and ``--output-len`` output tokens (end-of-text ignored):
 
 - mtl: all C requests are added to the engine at once (continuous batching, paged KV cache,
-  chunked prefill of ``--max-step-tokens``); times per request from the step loop.
+  chunked prefill of ``--max-step-tokens``), each detokenized as it goes (stream deltas, as
+  the server sends them); times per request from the step loop.
 - HF: one static batch of C; time to first token is a ``max_new_tokens=1`` call, time per
   output token the rest of a full call over ``output_len - 1``.
 
@@ -78,7 +79,8 @@ def sync(device: torch.device) -> None:
 
 
 def run_mtl(engine: Engine, prompts: list[list[int]], output_len: int) -> dict:
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True, detokenize=False)
+    # text included, as a server streams it: detokenizing is incremental, a few ids per token
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     sync(engine.device)
     start = time.perf_counter()
     first, last = {}, {}
