@@ -71,6 +71,34 @@ def test_abort_frees_blocks_at_once_and_others_continue(make_model):
     assert new_ids(rest) == expected[5:]
 
 
+def test_a_request_without_max_tokens_grows_its_reservation_and_is_preempted_not_others(make_model):
+    """A chat without max_tokens may run to the end of the context (64) but reserves only what
+    it holds: a bounded request joins it in the first step; when the pool runs dry it is
+    preempted, read again once blocks come back, and its seeded tokens are unchanged."""
+    loaded = make_model()
+    tok = loaded.tokenizer
+    engine = engine_for(loaded, kv_memory=str(21 * 1024))  # 20 blocks of 4 tokens; one context is 16
+    assert engine.blocks.num_blocks == 20
+    unbounded = SamplingParams(max_tokens=None, temperature=0.9, seed=5, ignore_eos=True)
+    bounded = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    short, long = tok.encode("Hello"), tok.encode("The quick brown fox")
+    outputs = {engine.add(short, unbounded): [], engine.add(long, bounded): []}
+    steps = 0
+    while engine.has_work:
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+        steps += 1
+        if steps == 1:  # 2 + 15 blocks reserved: both run (a whole context reserved would leave 4)
+            assert engine.stats()["running"] == 2
+    assert engine.scheduler.preemptions >= 1
+    chat, plain = outputs.values()
+    assert new_ids(chat) == generate(loaded.model, short, 64 - len(short), temperature=0.9, seed=5)
+    assert "".join(o.text for o in chat) == tok.decode(new_ids(chat))
+    assert chat[-1].finish_reason == "length"
+    assert new_ids(plain) == generate(loaded.model, long, 40, temperature=0)
+    assert engine.blocks.blocks_in_use == 0 and engine.blocks.unreserved == 20
+
+
 def test_stop_strings_top_p_and_logprobs(make_model):
     loaded = make_model()
     tok = loaded.tokenizer
