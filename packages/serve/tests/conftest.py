@@ -125,15 +125,16 @@ def http(url: str, body: dict | str | None = None, headers: dict | None = None) 
 class Server:
     """A `mtl serve` process on a free port of 127.0.0.1."""
 
-    def __init__(self, checkpoint: str, *args: str, env: dict | None = None):
+    def __init__(self, checkpoint: str, *args: str, env: dict | None = None, launcher: tuple[str, ...] = ()):
+        """``launcher``: what runs the `mtl` script (torchrun and its options), or nothing."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(Path(checkpoint).parent / f"serve-{self.port}.log", "w+")
-        command = [str(Path(sys.executable).parent / "mtl"), "serve", checkpoint, "--port", str(self.port),
+        command = [*launcher, str(Path(sys.executable).parent / "mtl"), "serve", checkpoint, "--port", str(self.port),
                    "--kv-memory", "8MiB", *args]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
                                         env={**os.environ, **ONE_THREAD, **(env or {})})
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             assert self.process.poll() is None, f"mtl serve exited {self.process.returncode}: {self.output()}"
             try:
