@@ -68,30 +68,12 @@ def _write_tokenizer(folder: Path, template: str | None) -> Path:
     return folder / "tokenizer.json"
 
 
-@pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory) -> dict:
-    """`mtl train` for one step at a learning rate that leaves the random init (varied text),
-    with a BPE tokenizer whose tokenizer_config.json holds a chat template; also the same
-    tokenizer without one."""
+def train_one_step(root: Path, model_and_data: str) -> str:
+    """`mtl train` for one step (at a learning rate that leaves the init) of the ``[model]`` and
+    ``[data]`` TOML given, on the CPU; the checkpoint directory, ``root/ckpt``."""
     from mtl.cli.main import cli
 
-    root = tmp_path_factory.mktemp("serve")
-    tokenizer = _write_tokenizer(root / "tokenizer", CHAT_TEMPLATE)
-    plain = _write_tokenizer(root / "plain_tokenizer", None)
-    (root / "tiny.toml").write_text(f"""\
-[model]
-num_layers = 2
-hidden_size = 32
-num_attention_heads = 4
-num_query_groups = 2
-seq_length = {CONTEXT}
-tie_embeddings = false
-
-[data]
-dataset = "mock"
-tokenizer = "hf"
-tokenizer_model = "{tokenizer}"
-
+    (root / "run.toml").write_text(f"""{model_and_data}
 [train]
 micro_batch_size = 1
 global_batch_size = 1
@@ -105,8 +87,38 @@ save = "{root / 'ckpt'}"
 [logging]
 dir = "{root / 'logs'}"
 """)
-    result = CliRunner().invoke(cli, ["train", str(root / "tiny.toml")])
+    result = CliRunner().invoke(cli, ["train", str(root / "run.toml")])
     assert result.exit_code == 0, result.output
+    return str(root / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def train_checkpoint():
+    return train_one_step
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> dict:
+    """`mtl train` for one step at a learning rate that leaves the random init (varied text),
+    with a BPE tokenizer whose tokenizer_config.json holds a chat template; also the same
+    tokenizer without one."""
+    root = tmp_path_factory.mktemp("serve")
+    tokenizer = _write_tokenizer(root / "tokenizer", CHAT_TEMPLATE)
+    plain = _write_tokenizer(root / "plain_tokenizer", None)
+    train_one_step(root, f"""\
+[model]
+num_layers = 2
+hidden_size = 32
+num_attention_heads = 4
+num_query_groups = 2
+seq_length = {CONTEXT}
+tie_embeddings = false
+
+[data]
+dataset = "mock"
+tokenizer = "hf"
+tokenizer_model = "{tokenizer}"
+""")
     return {"dir": str(root / "ckpt"), "tokenizer": str(tokenizer), "plain_tokenizer": str(plain),
             "context": CONTEXT}
 

@@ -11,7 +11,6 @@ import sys
 import textwrap
 
 import pytest
-from click.testing import CliRunner
 
 
 
@@ -36,12 +35,9 @@ PEAK = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def wide_checkpoint(tmp_path_factory):
+def wide_checkpoint(tmp_path_factory, train_checkpoint):
     """8 layers of width 384 (14M parameters): weights large beside the process's noise."""
-    from mtl.cli.main import cli
-
-    root = tmp_path_factory.mktemp("wide")
-    (root / "wide.toml").write_text(f"""\
+    return train_checkpoint(tmp_path_factory.mktemp("wide"), """\
 [model]
 num_layers = 8
 hidden_size = 384
@@ -51,22 +47,7 @@ seq_length = 16
 [data]
 dataset = "mock"
 tokenizer = "byte"
-
-[train]
-micro_batch_size = 1
-global_batch_size = 1
-iters = 1
-device = "cpu"
-
-[ckpt]
-save = "{root / 'ckpt'}"
-
-[logging]
-dir = "{root / 'logs'}"
 """)
-    result = CliRunner().invoke(cli, ["train", str(root / "wide.toml")])
-    assert result.exit_code == 0, result.output
-    return str(root / "ckpt")
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc peak-RSS reset")
