@@ -5,12 +5,14 @@ told to return large blocks at once, the peak reset after a warm-up load)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import torch
 
 
 
@@ -59,3 +61,18 @@ def test_loading_in_bfloat16_peaks_near_the_bfloat16_weights(wide_checkpoint):
     peak, weights = map(int, result.stdout.split())
     assert weights > 25e6
     assert peak < 1.5 * weights, (peak / 2**20, weights / 2**20)  # fp32 first would be >= 2x
+
+
+def test_loaded_weights_equal_building_in_fp32_then_loading(wide_checkpoint, monkeypatch):
+    """The same tensors as the training way (fp32 build with init, then the load), the tied
+    embedding still one parameter, the padded vocabulary rows zero, rotary tables intact."""
+    from mtl.serve import loading
+
+    built = loading.load_checkpoint(wide_checkpoint, device=torch.device("cpu")).model
+    assert built.output_layer.weight is built.embedding.word_embeddings.weight
+    monkeypatch.setattr(loading, "parameters_on_meta", contextlib.nullcontext)  # the fp32-then-load way
+    reference = loading.load_checkpoint(wide_checkpoint, device=torch.device("cpu")).model
+    ours, theirs = built.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert all(torch.equal(a, b) for a, b in zip(built.buffers(), reference.buffers()))

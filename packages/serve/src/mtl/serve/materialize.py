@@ -5,8 +5,10 @@ cast) peaks at the fp32 model plus its cast copy, and initialises weights that t
 overwrites at once. Here, while the model is built, every parameter goes to the meta device
 as it is registered (one parameter's fp32 storage lives for a moment; initialisation on meta
 is free); buffers stay real, so values computed at construction (rotary frequencies) are
-kept. ``materialize`` then gives each parameter an uninitialised tensor of the serving dtype
-on the device, which the checkpoint load fills: the peak is the model in that dtype."""
+kept. ``materialize`` then gives each parameter a zeroed tensor of the serving dtype on the
+device, which the checkpoint load fills: the peak is the model in that dtype. Zeroed, not
+empty: what no checkpoint holds (the rows padding the vocabulary) is zero as after init,
+never stray bits that could be inf or NaN."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def parameters_on_meta():
 
 
 def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
-    """Empty parameters of ``dtype`` (None: as built) on ``device`` for every meta one, tied
+    """Zeroed parameters of ``dtype`` (None: as built) on ``device`` for every meta one, tied
     parameters staying tied; buffers moved to ``device`` as they are."""
     made: dict[int, nn.Parameter] = {}
     for module in model.modules():
@@ -45,7 +47,7 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype | Non
             if param is None or param.device.type != "meta":
                 continue
             if id(param) not in made:
-                real = nn.Parameter(torch.empty(param.shape, dtype=dtype or param.dtype, device=device),
+                real = nn.Parameter(torch.zeros(param.shape, dtype=dtype or param.dtype, device=device),
                                     requires_grad=param.requires_grad)
                 real.__dict__.update(param.__dict__)
                 made[id(param)] = real
