@@ -205,3 +205,28 @@ def test_decode_warm_up_touches_only_the_scratch_block(make_model):
     assert all(torch.equal(cache[:scratch], old) for cache, old in zip((*pool.keys, *pool.values), before))
     assert pool.keys[0][scratch:].abs().sum() > 0  # the warm-up's keys went there
     assert engine.blocks.blocks_in_use == 0
+
+
+def test_a_preempted_request_takes_no_place_in_the_queue(make_model):
+    """The server promised a request a place when it took it; a preemption must not use that
+    place, or the request would end later with no tokens instead of an early 429."""
+    loaded = make_model()
+    tok = loaded.tokenizer
+    engine = engine_for(loaded, kv_memory=str(21 * 1024), max_waiting=1)  # 20 blocks of 4 tokens
+    chat = SamplingParams(max_tokens=None, temperature=0.9, seed=5, ignore_eos=True)
+    outputs = {engine.add(tok.encode("Hello"), chat): []}
+    engine.step()
+    outputs[engine.add(tok.encode("The quick"), chat)] = []
+    while not engine.scheduler.preemptions:  # two chats growing towards 16 blocks each: one is preempted
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    assert engine.stats()["waiting"] == 1 and not engine.scheduler.queue_full()
+    late = engine.add(tok.encode("a"), SamplingParams(max_tokens=3, temperature=0))
+    outputs[late] = []
+    while engine.has_work:
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    assert new_ids(outputs[late]) == generate(loaded.model, tok.encode("a"), 3, temperature=0, eod=tok.eod)
+    for rid in list(outputs)[:2]:
+        assert outputs[rid][-1].finish_reason == "length" and len(new_ids(outputs[rid])) > 40
+

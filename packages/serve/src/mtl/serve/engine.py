@@ -177,7 +177,7 @@ class Engine:
                           [logprobs] if new_ids else [], seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids))
 
     def stats(self) -> dict[str, int]:
-        return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+        return {"waiting": len(self.scheduler.waiting) + len(self.scheduler.requeued), "running": len(self.scheduler.running),
                 "kv_blocks_in_use": self.blocks.blocks_in_use, "kv_blocks_total": self.blocks.num_blocks}
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], progress=None) -> list[list[StepOutput]]:

@@ -11,12 +11,13 @@ admission and is never preempted. One that gives none (a chat: vLLM's rule, it m
 the end of the context) would reserve a whole context if treated alike, and one such request
 could hold most of the pool while using a few blocks, keeping every other request waiting.
 So it reserves what it reads and grows its reservation a block at a time; when a decode
-needs a block and none is unreserved, the youngest running request without ``max_tokens``
-is preempted: its blocks go back, and it returns to the head of the queue to be recomputed
-(prompt and the tokens it has, read again as a prompt, then it goes on sampling where it
-stopped). Bounded requests thus keep their guarantee, an unbounded one holds only what it
-uses, and a preempted one is first in line, so it is not starved either: one context always
-fits the pool (checked at startup)."""
+needs a block and none is unreserved, the youngest running request without ``max_tokens`` is
+preempted: its blocks go back, and it is admitted again before any new request, to be
+recomputed (prompt and the tokens it has, read again as a prompt, then it goes on sampling
+where it stopped). Preempted requests wait in a line of their own, which ``max_waiting``
+does not count: a request the server took is never refused later. Bounded requests thus keep
+their guarantee, an unbounded one holds only what it uses, and a preempted one is first in
+line, so it is not starved either: one context always fits the pool (checked at startup)."""
 
 from __future__ import annotations
 
@@ -73,7 +74,10 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_step_tokens = max_step_tokens
         self.max_waiting = max_waiting
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: deque[Sequence] = deque()  # new requests: what max_waiting bounds
+        # preempted requests, admitted before any new one; kept apart so that a preemption never
+        # fills the queue that the server already promised a new request a place in
+        self.requeued: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
 
@@ -89,14 +93,16 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.requeued:
+            self.requeued.remove(seq)
         self.blocks.free(seq.id)
 
     def _preempt(self, seq: Sequence) -> None:
-        """Back to the head of the queue with no blocks; it reads all its tokens again."""
+        """Back to the head of the line with no blocks; it reads all its tokens again."""
         self.running.remove(seq)
         self.blocks.free(seq.id)
         seq.cached, seq.prefill_len = 0, seq.total_tokens
-        self.waiting.appendleft(seq)
+        self.requeued.appendleft(seq)
         self.preemptions += 1
 
     def _reserve_decode_blocks(self) -> None:
@@ -122,12 +128,12 @@ class Scheduler:
                 count = min(seq.prefill_len - seq.cached, budget)
                 chosen.append((seq, count))
                 budget -= count
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch:
-            seq = self.waiting[0]
+        while (line := self.requeued or self.waiting) and budget > 0 and len(self.running) < self.max_batch:
+            seq = line[0]
             reservation = seq.prefill_len if seq.elastic else len(seq.prompt_ids) + seq.max_tokens
             if not self.blocks.can_reserve(reservation):
                 break  # first come, first served: it waits for blocks to come back
-            self.waiting.popleft()
+            line.popleft()
             self.blocks.reserve(seq.id, reservation)
             self.running.append(seq)
             count = min(seq.prefill_len, budget)
