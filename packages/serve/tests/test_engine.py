@@ -230,3 +230,30 @@ def test_a_preempted_request_takes_no_place_in_the_queue(make_model):
     for rid in list(outputs)[:2]:
         assert outputs[rid][-1].finish_reason == "length" and len(new_ids(outputs[rid])) > 40
 
+
+def test_a_request_read_again_after_a_preemption_decodes_a_block_before_it_grows():
+    """A chat preempted with 8 tokens (2 blocks of 4) is read again only when 3 blocks are free:
+    admitted into exactly 2, its next decode (token 9) would need a third and preempt it again,
+    a re-read per token while blocks come back one at a time. The scheduler alone, with the
+    engine's bookkeeping of a step (blocks grown to what is read, a token sampled per step)."""
+    from mtl.serve.scheduler import Scheduler, Sequence
+
+    blocks = BlockManager(num_blocks=5, block_size=4)
+    scheduler = Scheduler(blocks, max_batch=4, max_step_tokens=64, max_waiting=4)
+    chat = Sequence(1, [1] * 5, SamplingParams(max_tokens=None), 59, torch.Generator(), None, output_ids=[2, 3, 4])
+    blocks.reserve(0, 12)  # a bounded request holds 3 blocks: 2 are free
+    scheduler.running.append(chat)  # it ran, and is preempted
+    scheduler._preempt(chat)
+    assert chat.prefill_len == 8 and scheduler.schedule() == []  # 2 free blocks: it waits
+    blocks.free(0)
+    assert scheduler.schedule() == [(chat, 8)] and blocks.unreserved == 2
+    blocks.reserve(2, 8)  # another request takes the 2 blocks left
+    steps = [(chat, 8)]
+    for _ in range(4):  # tokens 9 to 12 fit its 3 blocks: no preemption
+        for seq, count in steps:
+            blocks.grow(seq.id, seq.cached + count)
+            seq.cached += count
+            seq.output_ids.append(0)
+        steps = scheduler.schedule()
+        assert steps == [(chat, 1)]
+    assert scheduler.preemptions == 1

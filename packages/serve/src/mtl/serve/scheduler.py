@@ -10,14 +10,15 @@ Reservations (``kv_cache.py``). A request that gives ``max_tokens`` reserves its
 admission and is never preempted. One that gives none (a chat: vLLM's rule, it may run to
 the end of the context) would reserve a whole context if treated alike, and one such request
 could hold most of the pool while using a few blocks, keeping every other request waiting.
-So it reserves what it reads and grows its reservation a block at a time; when a decode
-needs a block and none is unreserved, the youngest running request without ``max_tokens`` is
-preempted: its blocks go back, and it is admitted again before any new request, to be
-recomputed (prompt and the tokens it has, read again as a prompt, then it goes on sampling
-where it stopped). Preempted requests wait in a line of their own, which ``max_waiting``
-does not count: a request the server took is never refused later. Bounded requests thus keep
-their guarantee, an unbounded one holds only what it uses, and a preempted one is first in
-line, so it is not starved either: one context always fits the pool (checked at startup)."""
+So it reserves what it reads and one block more, and grows its reservation a block at a
+time; when a decode needs a block and none is unreserved, the youngest running request
+without ``max_tokens`` is preempted: its blocks go back, and it is admitted again before any
+new request, to be recomputed (prompt and the tokens it has, read again as a prompt, then it
+goes on sampling where it stopped). Preempted requests wait in a line of their own, which
+``max_waiting`` does not count: a request the server took is never refused later. Bounded
+requests thus keep their guarantee, an unbounded one holds only what it uses, and a
+preempted one is first in line, so it is not starved either: one context always fits the
+pool (checked at startup)."""
 
 from __future__ import annotations
 
@@ -117,6 +118,14 @@ class Scheduler:
                 if victim is seq:
                     break
 
+    def _reservation(self, seq: Sequence) -> int:
+        """Tokens reserved at admission: a bounded request's worst case; an elastic one's
+        tokens plus one block, so that a request read again after a preemption decodes a
+        block's worth of tokens before it needs another (reserving only what it reads, its
+        next decode could cross a block boundary and preempt it again: a re-read per token)."""
+        worst = len(seq.prompt_ids) + seq.max_tokens
+        return min(seq.prefill_len + self.blocks.block_size, worst) if seq.elastic else worst
+
     def schedule(self) -> list[tuple[Sequence, int]]:
         """(sequence, how many of its pending tokens) for the next step."""
         self._reserve_decode_blocks()
@@ -130,11 +139,10 @@ class Scheduler:
                 budget -= count
         while (line := self.requeued or self.waiting) and budget > 0 and len(self.running) < self.max_batch:
             seq = line[0]
-            reservation = seq.prefill_len if seq.elastic else len(seq.prompt_ids) + seq.max_tokens
-            if not self.blocks.can_reserve(reservation):
+            if not self.blocks.can_reserve(self._reservation(seq)):
                 break  # first come, first served: it waits for blocks to come back
             line.popleft()
-            self.blocks.reserve(seq.id, reservation)
+            self.blocks.reserve(seq.id, self._reservation(seq))
             self.running.append(seq)
             count = min(seq.prefill_len, budget)
             chosen.append((seq, count))
