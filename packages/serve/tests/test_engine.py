@@ -88,7 +88,7 @@ def test_a_request_without_max_tokens_grows_its_reservation_and_is_preempted_not
         for out in engine.step():
             outputs[out.request_id].append(out)
         steps += 1
-        if steps == 1:  # 2 + 15 blocks reserved: both run (a whole context reserved would leave 4)
+        if steps == 1:  # 3 + 15 blocks reserved (its tokens and a block ahead): both run; a context would leave 4
             assert engine.stats()["running"] == 2
     assert engine.scheduler.preemptions >= 1
     chat, plain = outputs.values()
