@@ -10,11 +10,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
+from torch import nn
 
-
+from mtl.serve.materialize import materialize, parameters_on_meta
 
 PEAK = textwrap.dedent("""
     import gc, sys, torch
@@ -76,3 +78,51 @@ def test_loaded_weights_equal_building_in_fp32_then_loading(wide_checkpoint, mon
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
     assert all(torch.equal(a, b) for a, b in zip(built.buffers(), reference.buffers()))
+
+
+class TaggedParameter(nn.Parameter):
+    """A Parameter subclass, as some layers register."""
+
+
+def test_parameters_on_meta_acts_on_its_own_thread_only():
+    """Two loads overlapping (A enters, B enters, A leaves, B leaves) while a third thread builds
+    a module: only the loading threads' parameters go to meta, and none once both are out;
+    nested use and a Parameter subclass with its attributes survive the trip."""
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    built = {}
+
+    def load_a():
+        with parameters_on_meta():
+            a_in.set()
+            b_in.wait(5)
+            built["a"] = nn.Linear(2, 2)
+        a_out.set()
+
+    def load_b():
+        a_in.wait(5)
+        with parameters_on_meta():
+            b_in.set()
+            a_out.wait(5)
+            with parameters_on_meta():
+                pass
+            module = nn.Module()
+            tagged = TaggedParameter(torch.ones(3))
+            tagged.tensor_model_parallel = True
+            module.register_parameter("w", tagged)
+            built["b"] = module
+
+    def other():
+        b_in.wait(5)
+        built["other"] = nn.Linear(2, 2)
+
+    threads = [threading.Thread(target=f) for f in (load_a, load_b, other)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert built["a"].weight.is_meta and built["b"].w.is_meta
+    assert not built["other"].weight.is_meta
+    assert not nn.Linear(2, 2).weight.is_meta  # nothing left installed that moves parameters
+    assert type(built["b"].w) is TaggedParameter and built["b"].w.tensor_model_parallel
+    real = materialize(built["b"], torch.device("cpu"), torch.bfloat16).w
+    assert type(real) is TaggedParameter and real.tensor_model_parallel and real.dtype == torch.bfloat16
