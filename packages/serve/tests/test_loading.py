@@ -67,17 +67,24 @@ def test_loading_in_bfloat16_peaks_near_the_bfloat16_weights(wide_checkpoint):
 
 def test_loaded_weights_equal_building_in_fp32_then_loading(wide_checkpoint, monkeypatch):
     """The same tensors as the training way (fp32 build with init, then the load), the tied
-    embedding still one parameter, the padded vocabulary rows zero, rotary tables intact."""
+    embedding still one parameter, the padded vocabulary rows zero, rotary tables intact; in
+    bfloat16, the same tensors rounded."""
     from mtl.serve import loading
 
     built = loading.load_checkpoint(wide_checkpoint, device=torch.device("cpu")).model
     assert built.output_layer.weight is built.embedding.word_embeddings.weight
+    half = loading.load_checkpoint(wide_checkpoint, device=torch.device("cpu"), dtype=torch.bfloat16).model
     monkeypatch.setattr(loading, "parameters_on_meta", contextlib.nullcontext)  # the fp32-then-load way
     reference = loading.load_checkpoint(wide_checkpoint, device=torch.device("cpu")).model
     ours, theirs = built.state_dict(), reference.state_dict()
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
     assert all(torch.equal(a, b) for a, b in zip(built.buffers(), reference.buffers()))
+    # bfloat16: every parameter is the reference's, rounded (a weight the load missed stays zero)
+    params = dict(reference.named_parameters())
+    assert params.keys() == dict(half.named_parameters()).keys()
+    for name, param in half.named_parameters():
+        assert param.dtype == torch.bfloat16 and torch.equal(param, params[name].to(torch.bfloat16)), name
 
 
 class TaggedParameter(nn.Parameter):
