@@ -4,12 +4,12 @@ prompts to engine requests, their outputs to one answer or a stream."""
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from mtl.serve.chat import NoChatTemplate
 from mtl.serve.engine import RequestError
 from mtl.serve.protocol import ChatRequest, CompletionRequest
-from mtl.serve.request_outputs import gather_whole, stream_events, submit_all
+from mtl.serve.request_outputs import EventStream, gather_whole, stream_events, submit_all
 from mtl.serve.responses import ResponseWriter
 from mtl.serve.server_context import ServerContext
 
@@ -20,8 +20,7 @@ async def _answer(ctx: ServerContext, request: Request, prompts, req, max_tokens
     sub = submit_all(ctx.engine_loop, prompts, req, max_tokens, logprobs)
     with_logprobs = logprobs is not None
     if req.stream:
-        return StreamingResponse(stream_events(ctx.engine_loop, sub, req, with_logprobs, writer),
-                                 media_type="text/event-stream")
+        return EventStream(ctx.engine_loop, sub, stream_events(ctx.engine_loop, sub, req, with_logprobs, writer))
     choices = await gather_whole(ctx.engine_loop, request, sub)
     if choices is None:
         return Response(status_code=CLIENT_CLOSED)
