@@ -103,3 +103,10 @@ def test_a_stop_string_across_deltas_ends_the_text_before_it(tmp_path):
     ids = tokenizer.encode("hello world, hello server! the quick brown fox")
     text, _ = stream_text(tokenizer, [], ids, stop=("server!", "zzz"))
     assert text == "hello world, hello "
+
+
+def test_a_character_the_prompt_cut_and_the_first_token_completes_is_given_out(tmp_path):
+    tokenizer = byte(tmp_path)
+    ids = tokenizer.encode("ok日xy")  # 日 is 3 bytes: the prompt ends on its first two
+    assert stream_text(tokenizer, ids[:4], ids[4:])[0] == "日xy"
+    assert stream_text(tokenizer, ids[:4], ids[4:5])[0] == "日"

@@ -7,7 +7,8 @@ already given out) is what the new ids add; the ids before the window never ente
 again. Decoding one earlier id with the new ones keeps what depends on context (a word
 tokenizer's spaces, SentencePiece's dropped leading space) as in the whole text. New text
 that ends in U+FFFD is held, ids and all, until a later id completes its UTF-8 character;
-the end of the request gives out whatever is held. The window starts on a few prompt ids.
+the end of the request gives out whatever is held. The window starts on a few prompt ids;
+a character that the prompt cuts and the first new id completes is new text.
 
 Stop strings are looked for in the text not yet given out, which keeps the last
 ``len(longest stop) - 1`` characters back: a stop string is never split by a delta."""
@@ -30,17 +31,25 @@ class IncrementalDecoder:
     def add(self, new_ids: list[int]) -> str:
         self.ids += new_ids
         text = self.tokenizer.decode(self.ids)
-        if len(text) <= len(self.read_text) or text.endswith(_INCOMPLETE):
+        if len(text) <= self._new_text_start(text) or text.endswith(_INCOMPLETE):
             return ""  # nothing new yet, or a character still cut: wait for the next ids
         return self._advance(text)
 
     def flush(self) -> str:
         """The held text (an unfinished character becomes U+FFFD, as decoding the whole does)."""
         text = self.tokenizer.decode(self.ids)
-        return self._advance(text) if len(text) > len(self.read_text) else ""
+        return self._advance(text) if len(text) > self._new_text_start(text) else ""
+
+    def _new_text_start(self, text: str) -> int:
+        """Where the text of the new ids begins: after ``read_text``; or, where the window's
+        text no longer starts with it, where the two part. That happens when the prompt ends
+        in a cut character (U+FFFD) that the first new id completes: the character is new."""
+        if text.startswith(self.read_text):
+            return len(self.read_text)
+        return next((i for i, (a, b) in enumerate(zip(text, self.read_text)) if a != b), len(text))
 
     def _advance(self, text: str) -> str:
-        delta = text[len(self.read_text):]
+        delta = text[self._new_text_start(text):]
         # the next window opens on the ids just given out: their text gives the next ones context
         self.ids = self.ids[self.read:]
         self.read = len(self.ids)
