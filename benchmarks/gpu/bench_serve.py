@@ -9,7 +9,9 @@ For each concurrency C (``--concurrency 1 16 64``) both serve C requests of ``--
 random prompt tokens and ``--output-len`` output tokens (end-of-text ignored):
 
 - mtl: all C requests are added to the engine at once (continuous batching, paged KV cache,
-  chunked prefill of ``--max-step-tokens``); times per request from the step loop.
+  chunked prefill of ``--max-step-tokens``), each detokenized as it goes (stream deltas, as
+  the server sends them, with a byte-level BPE tokenizer as wide as the model's vocabulary:
+  ``synthetic_bpe.py``); times per request from the step loop.
 - HF: one static batch of C; time to first token is a ``max_new_tokens=1`` call, time per
   output token the rest of a full call over ``output_len - 1``.
 
@@ -42,6 +44,7 @@ from mtl.parallel.topology import Topology
 from mtl.serve.engine import Engine, EngineConfig
 from mtl.serve.loading import LoadedModel
 from mtl.serve.sampling import SamplingParams
+from synthetic_bpe import synthetic_bpe
 
 HERE = Path(__file__).resolve().parent
 
@@ -78,7 +81,8 @@ def sync(device: torch.device) -> None:
 
 
 def run_mtl(engine: Engine, prompts: list[list[int]], output_len: int) -> dict:
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True, detokenize=False)
+    # text included, as a server streams it: detokenizing is incremental, a few ids per token
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     sync(engine.device)
     start = time.perf_counter()
     first, last = {}, {}
@@ -164,6 +168,7 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     loaded = build_mtl(args.config, device, dtype, TINY if args.check_only else [])
     vocab = loaded.config.model.vocab_size
+    loaded.tokenizer = synthetic_bpe(vocab)  # decodes every id the model may sample (see synthetic_bpe.py)
     kv_memory = args.kv_memory or ("0.6" if device.type == "cuda" else "64MiB")
     def make_engine(compile: bool | None) -> Engine:
         return Engine(loaded, EngineConfig(max_batch=max(args.concurrency), max_step_tokens=args.max_step_tokens,

@@ -68,30 +68,12 @@ def _write_tokenizer(folder: Path, template: str | None) -> Path:
     return folder / "tokenizer.json"
 
 
-@pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory) -> dict:
-    """`mtl train` for one step at a learning rate that leaves the random init (varied text),
-    with a BPE tokenizer whose tokenizer_config.json holds a chat template; also the same
-    tokenizer without one."""
+def train_one_step(root: Path, model_and_data: str) -> str:
+    """`mtl train` for one step (at a learning rate that leaves the init) of the ``[model]`` and
+    ``[data]`` TOML given, on the CPU; the checkpoint directory, ``root/ckpt``."""
     from mtl.cli.main import cli
 
-    root = tmp_path_factory.mktemp("serve")
-    tokenizer = _write_tokenizer(root / "tokenizer", CHAT_TEMPLATE)
-    plain = _write_tokenizer(root / "plain_tokenizer", None)
-    (root / "tiny.toml").write_text(f"""\
-[model]
-num_layers = 2
-hidden_size = 32
-num_attention_heads = 4
-num_query_groups = 2
-seq_length = {CONTEXT}
-tie_embeddings = false
-
-[data]
-dataset = "mock"
-tokenizer = "hf"
-tokenizer_model = "{tokenizer}"
-
+    (root / "run.toml").write_text(f"""{model_and_data}
 [train]
 micro_batch_size = 1
 global_batch_size = 1
@@ -105,8 +87,38 @@ save = "{root / 'ckpt'}"
 [logging]
 dir = "{root / 'logs'}"
 """)
-    result = CliRunner().invoke(cli, ["train", str(root / "tiny.toml")])
+    result = CliRunner().invoke(cli, ["train", str(root / "run.toml")])
     assert result.exit_code == 0, result.output
+    return str(root / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def train_checkpoint():
+    return train_one_step
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> dict:
+    """`mtl train` for one step at a learning rate that leaves the random init (varied text),
+    with a BPE tokenizer whose tokenizer_config.json holds a chat template; also the same
+    tokenizer without one."""
+    root = tmp_path_factory.mktemp("serve")
+    tokenizer = _write_tokenizer(root / "tokenizer", CHAT_TEMPLATE)
+    plain = _write_tokenizer(root / "plain_tokenizer", None)
+    train_one_step(root, f"""\
+[model]
+num_layers = 2
+hidden_size = 32
+num_attention_heads = 4
+num_query_groups = 2
+seq_length = {CONTEXT}
+tie_embeddings = false
+
+[data]
+dataset = "mock"
+tokenizer = "hf"
+tokenizer_model = "{tokenizer}"
+""")
     return {"dir": str(root / "ckpt"), "tokenizer": str(tokenizer), "plain_tokenizer": str(plain),
             "context": CONTEXT}
 
@@ -125,15 +137,16 @@ def http(url: str, body: dict | str | None = None, headers: dict | None = None) 
 class Server:
     """A `mtl serve` process on a free port of 127.0.0.1."""
 
-    def __init__(self, checkpoint: str, *args: str, env: dict | None = None):
+    def __init__(self, checkpoint: str, *args: str, env: dict | None = None, launcher: tuple[str, ...] = ()):
+        """``launcher``: what runs the `mtl` script (torchrun and its options), or nothing."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(Path(checkpoint).parent / f"serve-{self.port}.log", "w+")
-        command = [str(Path(sys.executable).parent / "mtl"), "serve", checkpoint, "--port", str(self.port),
+        command = [*launcher, str(Path(sys.executable).parent / "mtl"), "serve", checkpoint, "--port", str(self.port),
                    "--kv-memory", "8MiB", *args]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
                                         env={**os.environ, **ONE_THREAD, **(env or {})})
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             assert self.process.poll() is None, f"mtl serve exited {self.process.returncode}: {self.output()}"
             try:

@@ -71,6 +71,34 @@ def test_abort_frees_blocks_at_once_and_others_continue(make_model):
     assert new_ids(rest) == expected[5:]
 
 
+def test_a_request_without_max_tokens_grows_its_reservation_and_is_preempted_not_others(make_model):
+    """A chat without max_tokens may run to the end of the context (64) but reserves only what
+    it holds: a bounded request joins it in the first step; when the pool runs dry it is
+    preempted, read again once blocks come back, and its seeded tokens are unchanged."""
+    loaded = make_model()
+    tok = loaded.tokenizer
+    engine = engine_for(loaded, kv_memory=str(21 * 1024))  # 20 blocks of 4 tokens; one context is 16
+    assert engine.blocks.num_blocks == 20
+    unbounded = SamplingParams(max_tokens=None, temperature=0.9, seed=5, ignore_eos=True)
+    bounded = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    short, long = tok.encode("Hello"), tok.encode("The quick brown fox")
+    outputs = {engine.add(short, unbounded): [], engine.add(long, bounded): []}
+    steps = 0
+    while engine.has_work:
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+        steps += 1
+        if steps == 1:  # 3 + 15 blocks reserved (its tokens and a block ahead): both run; a context would leave 4
+            assert engine.stats()["running"] == 2
+    assert engine.scheduler.preemptions >= 1
+    chat, plain = outputs.values()
+    assert new_ids(chat) == generate(loaded.model, short, 64 - len(short), temperature=0.9, seed=5)
+    assert "".join(o.text for o in chat) == tok.decode(new_ids(chat))
+    assert chat[-1].finish_reason == "length"
+    assert new_ids(plain) == generate(loaded.model, long, 40, temperature=0)
+    assert engine.blocks.blocks_in_use == 0 and engine.blocks.unreserved == 20
+
+
 def test_stop_strings_top_p_and_logprobs(make_model):
     loaded = make_model()
     tok = loaded.tokenizer
@@ -177,3 +205,55 @@ def test_decode_warm_up_touches_only_the_scratch_block(make_model):
     assert all(torch.equal(cache[:scratch], old) for cache, old in zip((*pool.keys, *pool.values), before))
     assert pool.keys[0][scratch:].abs().sum() > 0  # the warm-up's keys went there
     assert engine.blocks.blocks_in_use == 0
+
+
+def test_a_preempted_request_takes_no_place_in_the_queue(make_model):
+    """The server promised a request a place when it took it; a preemption must not use that
+    place, or the request would end later with no tokens instead of an early 429."""
+    loaded = make_model()
+    tok = loaded.tokenizer
+    engine = engine_for(loaded, kv_memory=str(21 * 1024), max_waiting=1)  # 20 blocks of 4 tokens
+    chat = SamplingParams(max_tokens=None, temperature=0.9, seed=5, ignore_eos=True)
+    outputs = {engine.add(tok.encode("Hello"), chat): []}
+    engine.step()
+    outputs[engine.add(tok.encode("The quick"), chat)] = []
+    while not engine.scheduler.preemptions:  # two chats growing towards 16 blocks each: one is preempted
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    assert engine.stats()["waiting"] == 1 and not engine.scheduler.queue_full()
+    late = engine.add(tok.encode("a"), SamplingParams(max_tokens=3, temperature=0))
+    outputs[late] = []
+    while engine.has_work:
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    assert new_ids(outputs[late]) == generate(loaded.model, tok.encode("a"), 3, temperature=0, eod=tok.eod)
+    for rid in list(outputs)[:2]:
+        assert outputs[rid][-1].finish_reason == "length" and len(new_ids(outputs[rid])) > 40
+
+
+def test_a_request_read_again_after_a_preemption_decodes_a_block_before_it_grows():
+    """A chat preempted with 8 tokens (2 blocks of 4) is read again only when 3 blocks are free:
+    admitted into exactly 2, its next decode (token 9) would need a third and preempt it again,
+    a re-read per token while blocks come back one at a time. The scheduler alone, with the
+    engine's bookkeeping of a step (blocks grown to what is read, a token sampled per step)."""
+    from mtl.serve.scheduler import Scheduler, Sequence
+
+    blocks = BlockManager(num_blocks=5, block_size=4)
+    scheduler = Scheduler(blocks, max_batch=4, max_step_tokens=64, max_waiting=4)
+    chat = Sequence(1, [1] * 5, SamplingParams(max_tokens=None), 59, torch.Generator(), None, output_ids=[2, 3, 4])
+    blocks.reserve(0, 12)  # a bounded request holds 3 blocks: 2 are free
+    scheduler.running.append(chat)  # it ran, and is preempted
+    scheduler._preempt(chat)
+    assert chat.prefill_len == 8 and scheduler.schedule() == []  # 2 free blocks: it waits
+    blocks.free(0)
+    assert scheduler.schedule() == [(chat, 8)] and blocks.unreserved == 2
+    blocks.reserve(2, 8)  # another request takes the 2 blocks left
+    steps = [(chat, 8)]
+    for _ in range(4):  # tokens 9 to 12 fit its 3 blocks: no preemption
+        for seq, count in steps:
+            blocks.grow(seq.id, seq.cached + count)
+            seq.cached += count
+            seq.output_ids.append(0)
+        steps = scheduler.schedule()
+        assert steps == [(chat, 1)]
+    assert scheduler.preemptions == 1

@@ -5,6 +5,7 @@ and bad requests answered 400 naming the field while the server keeps serving.""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import time
 
@@ -105,6 +106,35 @@ def test_a_client_leaving_mid_stream_frees_its_blocks(server, client):
     time.sleep(0.2)  # nothing of it keeps running
     generated = server.metric("mtl_serve_generated_tokens_total") - before
     assert 1 <= generated < CONTEXT - 8, generated
+
+
+def test_a_client_leaving_before_a_whole_answer_frees_its_blocks(server):
+    """A non-streamed request writes nothing until its end: the server notices the closed
+    connection itself, aborts the request and counts it as 499."""
+    server.wait_idle()
+    before = server.metric("mtl_serve_generated_tokens_total")
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": CONTEXT - 8, "temperature": 0, "ignore_eos": True}
+    connection.request("POST", "/v1/completions", json.dumps(body),
+                       {"Content-Type": "application/json", "Authorization": "Bearer sk-test"})
+    deadline = time.monotonic() + 10
+    while server.metric("mtl_serve_generated_tokens_total") == before:  # until it is generating
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    connection.close()
+    server.wait_idle()
+    time.sleep(0.2)  # nothing of it keeps running
+    generated = server.metric("mtl_serve_generated_tokens_total") - before
+    assert 1 <= generated < CONTEXT - 8, generated
+    assert 'mtl_serve_requests_total{path="/v1/completions",status="499"} 1.0' in server.metrics_text()
+
+
+def test_unknown_paths_share_one_metrics_label(server, http_call):
+    for path in ("/nope", "/v1/nope/123", "/wp-login.php?x=1"):
+        assert http_call(f"{server.url}{path}")[0] in (401, 404)
+    text = server.metrics_text()
+    assert "nope" not in text and "wp-login" not in text
+    assert 'path="unmatched",status="404"' in text and 'path="unmatched",status="401"' in text
 
 
 def test_api_key(server, client, http_call):

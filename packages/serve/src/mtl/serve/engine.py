@@ -164,12 +164,12 @@ class Engine:
             new_ids = [token]
             seq.output_ids.append(token)
             seq.logprobs.append(logprobs)
-            if seq.text is not None:
-                seq.text.update(seq.output_ids)
-            if seq.text is not None and seq.text.stopped:
-                seq.finish_reason = "stop"
-            elif len(seq.output_ids) >= seq.max_tokens:
+            if len(seq.output_ids) >= seq.max_tokens:
                 seq.finish_reason = "length"
+        if seq.text is not None:
+            seq.text.update(new_ids, final=seq.finish_reason is not None)
+            if seq.text.stopped:
+                seq.finish_reason = "stop"  # a stop string, even in the last token's text
         if seq.finish_reason is not None:
             self.abort(seq.id)
         text = seq.text.delta(final=seq.finish_reason is not None) if seq.text is not None else ""
@@ -177,7 +177,7 @@ class Engine:
                           [logprobs] if new_ids else [], seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids))
 
     def stats(self) -> dict[str, int]:
-        return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+        return {"waiting": len(self.scheduler.waiting) + len(self.scheduler.requeued), "running": len(self.scheduler.running),
                 "kv_blocks_in_use": self.blocks.blocks_in_use, "kv_blocks_total": self.blocks.num_blocks}
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], progress=None) -> list[list[StepOutput]]:

@@ -6,9 +6,12 @@ block_size + i % block_size``. A sequence holds only the blocks its tokens fill,
 not reserved per request up to the context length, and freeing a request returns its blocks
 to the pool at once.
 
-Admission reserves a request's worst case (prompt + max_tokens, in blocks) against the pool,
-so a running request never runs out of blocks and nothing is ever preempted; the blocks are
-still allocated only as tokens arrive (the ``in use`` count is what holds tokens)."""
+Admission reserves blocks against the pool; they are allocated only as tokens arrive (the
+``in use`` count is what holds tokens). A request with ``max_tokens`` reserves its worst case
+(prompt + max_tokens), so it never runs out of blocks and is never preempted. A request
+without one (a chat that may run to the end of the context, as in vLLM) reserves what it
+holds and ``extend``s its reservation a block at a time from the unreserved blocks; the
+scheduler preempts such requests when none is left (``scheduler.py``)."""
 
 from __future__ import annotations
 
@@ -63,6 +66,7 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         self.tables: dict[int, list[int]] = {}
         self._reserved: dict[int, int] = {}  # sequence -> blocks it may come to hold
+        self._reserved_total = 0
 
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
@@ -73,14 +77,26 @@ class BlockManager:
 
     @property
     def unreserved(self) -> int:
-        return self.num_blocks - sum(self._reserved.values())
+        return self.num_blocks - self._reserved_total
 
     def can_reserve(self, max_tokens: int) -> bool:
         return self.blocks_for(max_tokens) <= self.unreserved
 
     def reserve(self, seq: int, max_tokens: int) -> None:
         self._reserved[seq] = self.blocks_for(max_tokens)
+        self._reserved_total += self._reserved[seq]
         self.tables[seq] = []
+
+    def extend(self, seq: int, num_tokens: int) -> bool:
+        """Raise the sequence's reservation to ``num_tokens`` tokens if enough blocks are
+        unreserved; whether it now covers them."""
+        extra = self.blocks_for(num_tokens) - self._reserved[seq]
+        if extra > self.unreserved:
+            return False
+        if extra > 0:
+            self._reserved[seq] += extra
+            self._reserved_total += extra
+        return True
 
     def grow(self, seq: int, num_tokens: int) -> list[int]:
         """Enough blocks for the sequence's first ``num_tokens`` tokens; its table."""
@@ -94,7 +110,7 @@ class BlockManager:
 
     def free(self, seq: int) -> None:
         self._free.extend(self.tables.pop(seq, []))
-        self._reserved.pop(seq, None)
+        self._reserved_total -= self._reserved.pop(seq, 0)
 
     def slots(self, seq: int, start: int, end: int) -> list[int]:
         """The cache slots of the sequence's tokens ``start .. end - 1``."""

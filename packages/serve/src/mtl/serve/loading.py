@@ -21,6 +21,7 @@ from mtl.core.errors import CheckpointError, ConfigError
 from mtl.core.model_protocol import build_model
 from mtl.core.plugins import registry
 from mtl.models.param_layout import parameter_entries
+from mtl.serve.materialize import materialize, parameters_on_meta
 from mtl.parallel.topology import Topology
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -78,7 +79,8 @@ def load_checkpoint(checkpoint: str | Path, *, device: torch.device, tp: int = 1
                     tokenizer: str | None = None, tokenizer_model: str | None = None,
                     iteration: int | None = None) -> LoadedModel:
     """This rank's part of the model (under ``torch.distributed`` with world size ``tp`` when
-    tp > 1), in eval mode on ``device``, cast to ``dtype`` (None keeps the stored precision)."""
+    tp > 1), in eval mode on ``device``, its weights in ``dtype`` (None: fp32, as built)
+    straight from the checkpoint (``materialize.py``)."""
     ckpt_dir = Path(checkpoint)
     iteration = _iteration(ckpt_dir, iteration)
     metadata = read_metadata(ckpt_dir, iteration)
@@ -89,12 +91,12 @@ def load_checkpoint(checkpoint: str | Path, *, device: torch.device, tp: int = 1
     topology = Topology.build(tp=tp)
     backend = registry("backend").get(cfg.model.backend)
     family = registry("model family").get(cfg.model.family)
-    model = build_model(family, cfg, topology, backend).to(device)
+    with parameters_on_meta():  # no fp32 copy, no random init: the checkpoint fills the weights
+        model = build_model(family, cfg, topology, backend)
+    materialize(model, device, dtype)
     template = {f"model.{e.global_name}": ShardedTensor(f"model.{e.global_name}", e.view(e.param.data),
                                                         e.global_shape, e.global_offset)
                 for e in parameter_entries(model, topology)}
-    ckpt_load(template, str(ckpt_dir), iteration)
-    if dtype is not None:
-        model.to(dtype)
+    ckpt_load(template, str(ckpt_dir), iteration)  # each stored tensor cast to the weights' dtype
     model.eval()
     return LoadedModel(model, built_tokenizer, cfg, topology, tokenizer_path)

@@ -11,7 +11,8 @@ class ServeMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("mtl_serve_requests", "HTTP requests answered, by path and status code",
+        self.requests = Counter("mtl_serve_requests",
+                                "HTTP requests answered, by route ('unmatched': any other path) and status",
                                 ["path", "status"], registry=r)
         self.queue = Gauge("mtl_serve_queue_length", "requests waiting to join the batch", registry=r)
         self.running = Gauge("mtl_serve_running_requests", "requests in the running batch", registry=r)
