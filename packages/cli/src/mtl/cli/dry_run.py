@@ -123,7 +123,7 @@ def dry_run(cfg: RunConfig, world_size: int | None = None) -> str:
     per = "process" if runs_on_cpu(cfg) else "GPU"  # a CPU run's memory is each process's
     out = ["# summary",
            f"model: {type(model).__name__} of family '{family.name}', backend '{backend.name}', "
-           f"{cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, sequence {cfg.model.seq_length}",
+           f"{pipeline_num_layers(cfg.model)} layers, hidden {cfg.model.hidden_size}, sequence {cfg.model.seq_length}",
            f"parameters: {counts['total']:,}",
            flops_line,
            (f"world size {p.world_size}: tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp}; "
