@@ -32,3 +32,14 @@ def test_head_of_another_shape_starts_fresh(tmp_path, caplog):
     (line,) = [r.getMessage() for r in caplog.records if "finetune_from" in r.getMessage()]
     assert "classifier.weight (stored (3, 4), here (2, 4))" in line and "classifier.bias (not in the checkpoint)" in line
     assert "left out (no place in this model): lm_head.dense.weight" in line and "pooler" not in line
+
+
+def test_a_template_of_main_weight_boxes_is_read_too(tmp_path):
+    """With 16-bit weights the optimizer's fp32 main copies make each template entry a list of
+    boxes (``optimizer_load_template``): the shapes are read from them alike."""
+    stored = {"model.classifier.weight": ShardedTensor("model.classifier.weight", torch.ones(3, 4), (3, 4), (0, 0))}
+    save(stored, str(tmp_path), 1, {"iteration": 1})
+    boxes = [ShardedTensor("model.classifier.weight", torch.zeros(1, 4), (2, 4), (row, 0)) for row in range(2)]
+    template = {"model.classifier.weight": boxes, "model.pooler.dense.weight": [sharded("pooler.dense.weight", (4, 4))]}
+    leave_fresh_heads(template, [TwoLabelModel()], str(tmp_path), 1)
+    assert template == {}

@@ -27,6 +27,12 @@ def _head_prefixes(chunks: list) -> tuple[str, ...]:
     return tuple(sorted(prefixes))
 
 
+def _global_shape(target) -> tuple[int, ...]:
+    """A template entry's global shape: one ShardedTensor, or (16-bit weights with fp32 main
+    copies: the optimizer's load template) a list of the boxes of one tensor."""
+    return tuple((target[0] if isinstance(target, list) else target).global_shape)
+
+
 def leave_fresh_heads(template: dict, chunks: list, directory: str, iteration: int) -> None:
     """Take out of ``template`` (checkpoint key -> ShardedTensor) the head weights ``directory``
     cannot fill, so they keep their fresh initialisation, and say so in one line (rank 0)."""
@@ -41,8 +47,8 @@ def leave_fresh_heads(template: dict, chunks: list, directory: str, iteration: i
             continue
         if key not in stored:
             fresh.append(f"{name} (not in the checkpoint)")
-        elif tuple(stored[key]["global_shape"]) != tuple(target.global_shape):
-            fresh.append(f"{name} (stored {tuple(stored[key]['global_shape'])}, here {tuple(target.global_shape)})")
+        elif tuple(stored[key]["global_shape"]) != _global_shape(target):
+            fresh.append(f"{name} (stored {tuple(stored[key]['global_shape'])}, here {_global_shape(target)})")
         else:
             continue
         del template[key]
