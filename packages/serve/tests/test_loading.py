@@ -133,3 +133,13 @@ def test_parameters_on_meta_acts_on_its_own_thread_only():
     assert type(built["b"].w) is TaggedParameter and built["b"].w.tensor_model_parallel
     real = materialize(built["b"], torch.device("cpu"), torch.bfloat16).w
     assert type(real) is TaggedParameter and real.tensor_model_parallel and real.dtype == torch.bfloat16
+
+
+def test_parameters_without_gradient_keep_their_dtype():
+    """As training's weights cast: an MoE router's expert bias (no gradient) stays fp32 in a
+    bf16 model, the weights become bf16."""
+    with parameters_on_meta():
+        module = nn.Linear(4, 4)
+        module.register_parameter("expert_bias", nn.Parameter(torch.zeros(4), requires_grad=False))
+    materialize(module, torch.device("cpu"), torch.bfloat16)
+    assert module.weight.dtype == torch.bfloat16 and module.expert_bias.dtype == torch.float32

@@ -58,14 +58,17 @@ def parameters_on_meta():
 
 def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
     """Zeroed parameters of ``dtype`` (None: as built) on ``device`` for every meta one, tied
-    parameters staying tied; buffers moved to ``device`` as they are."""
+    parameters staying tied; buffers moved to ``device`` as they are. Parameters without
+    gradient keep the dtype they were built in, as training's weights cast keeps them (an MoE
+    router's fp32 expert bias: in bf16 it would pick other experts than the trained model)."""
     made: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in module._parameters.items():
             if param is None or param.device.type != "meta":
                 continue
             if id(param) not in made:
-                real = nn.Parameter(torch.zeros(param.shape, dtype=dtype or param.dtype, device=device),
+                cast = dtype is not None and param.requires_grad and param.is_floating_point()
+                real = nn.Parameter(torch.zeros(param.shape, dtype=dtype if cast else param.dtype, device=device),
                                     requires_grad=param.requires_grad)
                 made[id(param)] = _dressed_as(real, param)
             module._parameters[name] = made[id(param)]
