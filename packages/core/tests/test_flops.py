@@ -102,6 +102,15 @@ def test_zero3_holds_one_vocabulary_table_whole_not_both():
     assert before["weights"] - mem["weights"] == (1000 + 300) * 2  # the other table, and the second layer
 
 
+def test_zero3_gathers_a_unit_whole_on_its_pipeline_stage():
+    """Under pp a unit still sits whole on one stage: tp splits what is gathered, pp does not
+    (dp = 2 x pp = 2; 4000 parameters, a 1000-parameter table, layers of 300)."""
+    cfg = config("train.precision='bf16'", "parallel.sharding='parameters'", "parallel.pp=2",
+                 "parallel.pipeline_split='even'")
+    mem = memory_per_gpu_bytes(cfg, 4000, activation_bytes_per_layer=None, unit_parameters=(300, 1000, 0))
+    assert mem["weights"] == 4000 / 2 / 2 * 2 + (1000 + 300) * 2  # the shards of the stage's half, then whole units
+
+
 def test_hybrid_sharding_divides_by_the_shard_block_only():
     cfg = config("parallel.sharding='parameters'", "parallel.dp_replicate=2")  # dp = 4: blocks of 2, fp32 weights
     mem = memory_per_gpu_bytes(cfg, 4000, activation_bytes_per_layer=None)

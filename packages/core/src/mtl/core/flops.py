@@ -70,8 +70,8 @@ def memory_per_gpu_bytes(cfg: RunConfig, num_parameters: int,
     table's is the whole table, one parameter) and the gradients outside every unit, and under
     "parameters" two units' weights (the one running, the largest, and the next one's gather,
     a layer) and the weights outside every unit, gathered for the whole step;
-    ``unit_parameters`` = (largest layer, largest other unit, outside every unit) before
-    tp x pp, from ``gather_unit_sizes``. Activations: one micro-batch per in-flight pipeline stage on
+    ``unit_parameters`` = (largest layer, largest other unit, outside every unit) of the whole
+    model, from ``gather_unit_sizes``, split by tp only (a unit is whole on its stage). Activations: one micro-batch per in-flight pipeline stage on
     the rank that keeps the most (``activation_bytes_per_layer`` from the family, one number for
     every layer or one per layer in layer order; left out when it has none)."""
     p, t = cfg.parallel, cfg.train
@@ -91,7 +91,9 @@ def memory_per_gpu_bytes(cfg: RunConfig, num_parameters: int,
     main_bytes = 0 if weight_bytes == 4 else 4  # the fp32 main copy of 16-bit weights
     out = {"weights": per_rank(weight_bytes, 3), "grads": per_rank(4, 2), "optimizer": per_rank(8 + main_bytes, 1)}
     if level >= 2 and unit_parameters is not None:
-        layer, table, outside = (n / split for n in unit_parameters)
+        # a unit sits whole on one pipeline stage: only tp splits it (the largest table or layer
+        # is gathered whole on the stage that holds it)
+        layer, table, outside = (n / p.tp for n in unit_parameters)
         # a bucket ends at a layer's end or at parallel.bucket_size_mb (of the weights' dtype), whichever first
         bucket = min(layer, p.bucket_size_mb * 2**20 / weight_bytes)
         out["grads"] += (max(bucket, table) + bucket + outside) * 4
