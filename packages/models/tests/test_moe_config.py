@@ -57,6 +57,10 @@ def test_derived_moe_layers_and_expert_width():
          1, "model.moe_top_k // model.moe_router_group_topk = 6 // 2 = 3 experts rank each group"),
         (["model.num_experts=8", "model.moe_router_num_groups=4", "model.moe_top_k=5", "model.moe_router_group_topk=2"],
          1, "model.moe_top_k = 5 exceeds the 4 experts"),
+        (["model.num_experts=4", "model.moe_router_expert_bias=true"], 1,
+         "model.moe_router_expert_bias = true needs model.moe_router = 'sigmoid'"),
+        (["model.num_experts=4", "model.moe_router='sigmoid'", "model.moe_router_expert_bias=true",
+          "model.moe_capacity_factor=1.5"], 1, "the bias balances dropless routing"),
     ],
 )
 def test_refused(overrides, world_size, message):

@@ -176,6 +176,15 @@ def _check_router_groups(m: ModelConfig) -> None:
     if not m.moe_router_expert_bias and m.moe_router_bias_update_rate != ROUTER_KEYS_OFF["moe_router_bias_update_rate"]:
         raise ConfigError(f"model.moe_router_bias_update_rate = {m.moe_router_bias_update_rate} moves the expert bias: "
                           "set model.moe_router_expert_bias = true, or remove the key")
+    if m.moe_router_expert_bias and m.moe_router != "sigmoid":
+        # Megatron allows the aux-loss-free bias with sigmoid scores only: added to softmax
+        # probabilities (which sum to one) it is not the rule those runs were tuned with
+        raise ConfigError(f"model.moe_router_expert_bias = true needs model.moe_router = 'sigmoid' "
+                          f"(have {m.moe_router!r}), as Megatron's --moe-router-enable-expert-bias does")
+    if m.moe_router_expert_bias and m.moe_capacity_factor:
+        # the update counts routed slots; with a capacity some are dropped after routing
+        raise ConfigError(f"model.moe_router_expert_bias = true with model.moe_capacity_factor = "
+                          f"{m.moe_capacity_factor}: the bias balances dropless routing; unset one of them")
     if not m.moe_router_scaling_factor > 0:
         raise ConfigError(f"model.moe_router_scaling_factor = {m.moe_router_scaling_factor} must be positive")
     groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
