@@ -88,6 +88,21 @@ def test_splits_and_epochs(tmp_path, wordpiece_dir):
         build_classification_dataset(config, tokenizer, "test", 4)
 
 
+def test_an_evaluation_that_does_not_score_the_split_once_says_so(tmp_path, wordpiece_dir, caplog):
+    records = [{"text": f"line {i}", "label": i % 2} for i in range(10)]  # 8 train, 2 valid lines
+    config = config_for([write_jsonl(tmp_path / "d.jsonl", records)], wordpiece_dir, num_labels=2)
+    tokenizer = build_hf_tokenizer(config.data.tokenizer_model)
+    config.train.eval_iters, config.train.global_batch_size = 1, 2
+    with caplog.at_level("WARNING", logger="mtl"):
+        build_classification_dataset(config, tokenizer, "valid", 2)
+    assert not [r for r in caplog.records if "an evaluation scores" in r.getMessage()]
+    config.train.eval_iters = 3
+    with caplog.at_level("WARNING", logger="mtl"):
+        build_classification_dataset(config, tokenizer, "valid", 6)
+    (line,) = [r.getMessage() for r in caplog.records if "an evaluation scores" in r.getMessage()]
+    assert "= 6 samples of the valid split's 2 lines, 4 of them twice" in line
+
+
 @pytest.mark.parametrize("line,message", [
     ({"text": "a b", "label": 3}, r"bad.jsonl:2: label 3 is not a class of model.num_labels = 3"),
     ({"text": "a b", "label": True}, r"bad.jsonl:2: label True"),

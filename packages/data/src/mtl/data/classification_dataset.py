@@ -23,11 +23,13 @@ import numpy as np
 import torch
 
 from mtl.core.errors import ConfigError, DataError
+from mtl.core.log import get_logger
 from mtl.data.blended_dataset import parse_split, split_document_ranges
 from mtl.data.dataset_family import check_family
 from mtl.data.masked_vocabulary import NO_PAD_ID, masked_vocabulary, require_roles
 
 SPLITS = ("train", "valid", "test")
+log = get_logger(__name__)
 
 
 def read_examples(paths: list[str], num_labels: int) -> list[tuple[str, str | None, int]]:
@@ -148,5 +150,22 @@ def build_classification_dataset(config, tokenizer, split: str, num_samples: int
     encoded = [(a, next(seconds) if pair is not None else None, label)
                for a, pair, (_, _, label) in zip(firsts, pairs, chosen)]
     samples = len(encoded) if num_samples is None else num_samples
+    if split != "train":
+        _say_what_an_evaluation_scores(config, split, len(encoded))
     return ClassificationDataset(encoded, config.model.seq_length, vocabulary.cls, vocabulary.sep, vocabulary.pad,
                                  samples, config.train.seed, split)
+
+
+def _say_what_an_evaluation_scores(config, split: str, lines: int) -> None:
+    """An evaluation reads ``train.eval_iters`` global batches from the split's start: one line
+    when that is not each of the split's lines exactly once (a GLUE-style dev accuracy)."""
+    t = config.train
+    scored = t.eval_iters * t.global_batch_size
+    if scored == lines:
+        return
+    what = f"only its first {scored}" if scored < lines else f"{scored - lines} of them twice"
+    log.warning("data.dataset = 'classification': an evaluation scores train.eval_iters x train.global_batch_size "
+                "= %d samples of the %s split's %d lines, %s; for an accuracy over each line once, make the "
+                "split a multiple of the global batch and train.eval_iters = lines / global batch",
+                scored, split, lines, what)
+
