@@ -55,11 +55,11 @@ from mtl.parallel.ddp.grad_buffer import Bucket, GradBuffer
 from mtl.parallel.ddp.hybrid import reduce_over_replicas, sum_sequence_parallel_shards
 from mtl.parallel.ddp.param_gather import ROOT, gather_units, register_wait_hooks, shard_buffers
 from mtl.parallel.ddp.reduce_group import DENSE, EXPERT, ReduceGroup, is_expert_param
+from mtl.parallel.ddp.sharding_choice import checked_sharding
 from mtl.parallel.flat_collectives import all_gather_flat, reduce_scatter_flat
 from mtl.parallel.sequence_parallel_grads import allreduce_sequence_parallel_grads, has_sequence_parallel_grad
 from mtl.parallel.topology import Topology
 
-SHARDINGS = ("none", "optimizer", "gradients", "parameters")  # parallel.sharding: ZeRO-0..3
 
 
 class DataParallel(nn.Module):
@@ -82,24 +82,9 @@ class DataParallel(nn.Module):
         ``use_distributed_optimizer``, else "none") and ``dp_replicate`` are
         ``parallel.sharding`` and ``parallel.dp_replicate`` (the package README's "Sharded data parallelism")."""
         super().__init__()
-        sharding = sharding or ("optimizer" if use_distributed_optimizer else "none")
-        if sharding not in SHARDINGS or (use_distributed_optimizer and sharding == "none"):
-            raise ParallelError(f"DataParallel sharding = {sharding!r} (use_distributed_optimizer="
-                                f"{use_distributed_optimizer}) must be one of {', '.join(SHARDINGS)}, "
-                                "and not 'none' with the distributed optimizer (parallel.sharding)")
+        sharding = checked_sharding(sharding, use_distributed_optimizer, bucket_size_mb, overlap_param_gather)
         use_distributed_optimizer = sharding != "none"
         self.sharding = sharding
-        if not bucket_size_mb > 0:
-            raise ParallelError(
-                f"DataParallel bucket_size_mb = {bucket_size_mb!r} must be > 0 (parallel.bucket_size_mb; "
-                "40 is a good default, smaller buckets start communication earlier)"
-            )
-        if overlap_param_gather and not use_distributed_optimizer:
-            raise ParallelError(
-                "DataParallel(overlap_param_gather=True) needs use_distributed_optimizer=True "
-                "(parallel.overlap_param_gather needs parallel.distributed_optimizer): only the "
-                "distributed optimizer all-gathers parameters after its step"
-            )
         self.module = module
         self.topology = topology
         self.overlap_grad_reduce = overlap_grad_reduce
