@@ -110,8 +110,8 @@ def test_parameters_on_meta_acts_on_its_own_thread_only():
         with parameters_on_meta():
             b_in.set()
             a_out.wait(5)
-            with parameters_on_meta():
-                pass
+            with parameters_on_meta():  # nested: on meta inside, and still after it
+                built["nested"] = nn.Linear(2, 2)
             module = nn.Module()
             tagged = TaggedParameter(torch.ones(3))
             tagged.tensor_model_parallel = True
@@ -127,7 +127,7 @@ def test_parameters_on_meta_acts_on_its_own_thread_only():
         t.start()
     for t in threads:
         t.join(10)
-    assert built["a"].weight.is_meta and built["b"].w.is_meta
+    assert built["a"].weight.is_meta and built["b"].w.is_meta and built["nested"].weight.is_meta
     assert not built["other"].weight.is_meta
     assert not nn.Linear(2, 2).weight.is_meta  # nothing left installed that moves parameters
     assert type(built["b"].w) is TaggedParameter and built["b"].w.tensor_model_parallel

@@ -7,6 +7,7 @@ tensor-parallel part; rank 0 serves HTTP and runs the engine, the other ranks fo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from functools import partial
@@ -92,8 +93,6 @@ def _serve_http(engine, host: str, port: int, api_key: str | None, model_name: s
     # uvicorn catches SIGTERM for its graceful shutdown and, once done, raises it again for the
     # handler it found: make that one a no-op so the run ends with status 0, not 143
     signal.signal(signal.SIGTERM, lambda *_: None)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn drained the requests, then raised SIGINT again
         uvicorn.Server(config).run()
-    except KeyboardInterrupt:  # Ctrl-C: uvicorn drained the requests, then raised SIGINT again
-        pass
     click.echo("mtl serve: stopped", err=True)

@@ -61,8 +61,9 @@ def submit_all(engine_loop: EngineLoop, prompts: list[list[int]], req, max_token
 
 async def _watch_disconnect(request: Request, outputs: asyncio.Queue) -> None:
     # the body is read by now: the next message is the disconnect (or the response's end)
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    message = await request.receive()
+    while message["type"] != "http.disconnect":
+        message = await request.receive()
     outputs.put_nowait(CLIENT_GONE)
 
 
