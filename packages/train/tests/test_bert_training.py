@@ -14,7 +14,8 @@ import pytest
 from mtl.data.demo_corpus import write_demo_corpus
 from mtl.data.preprocess import preprocess
 from mtl.parallel.testing import run_distributed
-from mtl.train.testing import LOSS_RTOL, StepWatcher, compare_with_reference, run_tiny, write_sized_wordpiece
+from mtl.train.testing import (LOSS_RTOL, StepWatcher, compare_with_reference, run_grouped, run_tiny,
+                               write_sized_wordpiece)
 
 BERT_VOCAB = 30522  # bert-base-uncased's vocabulary size
 ROLES = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]", "mask_token": "[MASK]"}
@@ -81,17 +82,10 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def layout_results(corpus, checkpoint):
-    """Every layout's results, those of one world size from one spawn (starting processes costs
-    more than these runs); tp2_sp also saves its step 3 to ``checkpoint``."""
-    by_world: dict[int, list[tuple[str, list[str]]]] = {}
-    for name, (world, overrides) in LAYOUTS.items():
-        save = [f"ckpt.save='{checkpoint}'"] if name == "tp2_sp" else []
-        by_world.setdefault(world, []).append((name, [*FIRST_HALF, *overrides, *save]))
-    results = {}
-    for world, runs in by_world.items():
-        per_rank = run_distributed(bert_runs, world, args=([overrides for _, overrides in runs], corpus))
-        results.update({name: [rank[i] for rank in per_rank] for i, (name, _) in enumerate(runs)})
-    return results
+    """Every layout's results, those of one world size from one spawn; tp2_sp also saves its
+    step 3 to ``checkpoint``."""
+    return run_grouped({name: (world, [*FIRST_HALF, *overrides, *([f"ckpt.save='{checkpoint}'"] if name == "tp2_sp" else [])])
+                        for name, (world, overrides) in LAYOUTS.items()}, bert_runs, args=(corpus,))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -12,8 +12,7 @@ import pytest
 
 from mtl.data.demo_corpus import write_demo_corpus
 from mtl.data.preprocess import preprocess
-from mtl.parallel.testing import run_distributed
-from mtl.train.testing import LOSS_RTOL, compare_with_reference, run_tiny, write_sized_wordpiece
+from mtl.train.testing import LOSS_RTOL, compare_with_reference, run_grouped, run_tiny, write_sized_wordpiece
 
 T5_VOCAB = 32128
 ROLES = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
@@ -54,9 +53,8 @@ def t5_run(overrides, corpus):
 
 
 def t5_runs(runs, corpus):
-    """Each ``(name, overrides)`` of ``runs`` in turn, in one spawned world (a spawn costs more
-    than a run on 2 cores) -> {name: this rank's result}."""
-    return {name: t5_run(overrides, corpus) for name, overrides in runs}
+    """Each run of ``runs`` (a list of overrides) in turn, in one spawned world."""
+    return [t5_run(overrides, corpus) for overrides in runs]
 
 
 @pytest.fixture(scope="module")
@@ -70,34 +68,30 @@ def corpus(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def worlds(corpus, tmp_path_factory):
-    """Every run, grouped by world size: {world: [each rank's {name: result}]}. The 2-process
-    world also saves the pp2 run's step-3 checkpoint and resumes it at tp2 for steps 4-6."""
+def results(corpus, tmp_path_factory):
+    """Every run by name, those of one world size from one spawn. The 2-process world also saves
+    the pp2 run's step-3 checkpoint and then resumes it at tp2 for steps 4-6."""
     checkpoint = tmp_path_factory.mktemp("t5_ckpt") / "ckpt"
-    runs = {1: [("reference", FIRST_HALF), ("straight", ["train.iters=6"]), ("reference_tied", [*FIRST_HALF, *T5_1_0])],
-            2: [], 4: []}
+    runs = {"reference": (1, FIRST_HALF), "straight": (1, ["train.iters=6"]),
+            "reference_tied": (1, [*FIRST_HALF, *T5_1_0])}
     for name, (world, overrides) in {**LAYOUTS, **TIED_LAYOUTS}.items():
         save = [f"ckpt.save='{checkpoint}'"] if name == SAVED_AT else []
-        runs[world].append((name, [*FIRST_HALF, *overrides, *save]))
-    runs[2].append(("resumed", ["train.iters=6", *LAYOUTS[RESUMED_AT][1], f"ckpt.save='{checkpoint}'"]))
-    return {world: run_distributed(t5_runs, world, args=(world_runs, corpus)) for world, world_runs in runs.items()}
-
-
-def results_of(worlds, name):
-    return next([rank[name] for rank in ranks] for ranks in worlds.values() if name in ranks[0])
+        runs[name] = (world, [*FIRST_HALF, *overrides, *save])
+    runs["resumed"] = (LAYOUTS[RESUMED_AT][0], ["train.iters=6", *LAYOUTS[RESUMED_AT][1], f"ckpt.save='{checkpoint}'"])
+    return run_grouped(runs, t5_runs, args=(corpus,))
 
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, *TIED_LAYOUTS])
-def test_t5_layout_matches_single_process(layout, worlds):
-    (reference,) = results_of(worlds, "reference_tied" if layout in TIED_LAYOUTS else "reference")
+def test_t5_layout_matches_single_process(layout, results):
+    (reference,) = results["reference_tied" if layout in TIED_LAYOUTS else "reference"]
     assert len(reference["losses"]) == 3
-    compare_with_reference(layout, results_of(worlds, layout), reference)
+    compare_with_reference(layout, results[layout], reference)
 
 
-def test_t5_saved_at_pp2_resumes_at_tp2(worlds):
+def test_t5_saved_at_pp2_resumes_at_tp2(results):
     """Steps 4-6 resumed at tp2 from the pp2 run's step-3 checkpoint equal a straight 6-step run."""
-    (straight,) = results_of(worlds, "straight")
-    losses = next(r["losses"] for r in results_of(worlds, "resumed") if r["last_stage"])
+    (straight,) = results["straight"]
+    losses = next(r["losses"] for r in results["resumed"] if r["last_stage"])
     assert sorted(losses) == [4, 5, 6]
     for step in (4, 5, 6):
         assert abs(losses[step] - straight["losses"][step]) <= LOSS_RTOL * abs(straight["losses"][step])

@@ -175,24 +175,31 @@ def complete_sharded_grads(ddp_chunks: list) -> None:
                         slot.param.grad = grad
 
 
-def run_layouts(layouts: list[str], extra: list[str] = (), backend: str = "gloo",
-                model: list[str] = ()) -> dict[str, list[dict]]:
-    """Run several of ``LAYOUTS`` (or the other tables), those of one world size in one spawn,
-    one after another in the same processes (starting processes and importing torch costs
-    more than a tiny run). ``model``: overrides every layout shares. Returns layout -> one
-    result per rank; a run that raises fails its whole spawn, naming its overrides."""
+def run_grouped(runs: dict[str, tuple[int, list[str]]], fn: Callable | None = None, args: tuple = (),
+                backend: str = "gloo") -> dict[str, list]:
+    """Named runs, ``name -> (world size, overrides)``, those of one world size one after another
+    in one spawn, in the order given (starting processes and importing torch costs more than a
+    tiny run). ``fn(list of overrides, *args)`` returns one result per run (default: ``run_tiny``
+    each). Returns name -> one result per rank; a run that raises fails its whole spawn."""
     from mtl.parallel.testing import run_distributed
 
-    table = {**LAYOUTS, **SHARDED_LAYOUTS, **GPU_LAYOUTS, **MOE_LAYOUTS, **EIGHT_LAYOUTS, **EIGHT_MOE_LAYOUTS}
-    by_world: dict[int, list[str]] = {}
-    for name in layouts:
-        by_world.setdefault(table[name][0], []).append(name)
+    by_world: dict[int, list[tuple[str, list[str]]]] = {}
+    for name, (world, overrides) in runs.items():
+        by_world.setdefault(world, []).append((name, overrides))
     results = {}
-    for world, names in by_world.items():
-        runs = [[*model, *table[name][1], *extra] for name in names]
-        per_rank = run_distributed(_run_each, world, args=(runs,), backend=backend)
-        results.update({name: [rank[i] for rank in per_rank] for i, name in enumerate(names)})
+    for world, named in by_world.items():
+        per_rank = run_distributed(fn or _run_each, world, args=([o for _, o in named], *args), backend=backend)
+        results.update({name: [rank[i] for rank in per_rank] for i, (name, _) in enumerate(named)})
     return results
+
+
+def run_layouts(layouts: list[str], extra: list[str] = (), backend: str = "gloo",
+                model: list[str] = ()) -> dict[str, list[dict]]:
+    """``run_grouped`` over layouts of ``LAYOUTS`` (or the other tables); ``model``: overrides
+    every layout shares, ``extra``: overrides after the layout's."""
+    table = {**LAYOUTS, **SHARDED_LAYOUTS, **GPU_LAYOUTS, **MOE_LAYOUTS, **EIGHT_LAYOUTS, **EIGHT_MOE_LAYOUTS}
+    return run_grouped({name: (table[name][0], [*model, *table[name][1], *extra]) for name in layouts},
+                       backend=backend)
 
 
 def _run_each(runs: list[list[str]]) -> list[dict]:
